@@ -1,0 +1,10 @@
+"""Data: sources, server/client splits, partitioners, fixed-shape stacking."""
+
+from fedrobust.data.federated import (EvalSet, FederatedSetup,
+                                      build_federated_setup, stack_clients,
+                                      stack_eval_sets, subsample)
+from fedrobust.data.partition import PARTITIONERS, class_histograms, partition
+from fedrobust.data.sources import (DATASETS, DEFAULT_FASHION_MNIST_DIR,
+                                    DataNotFoundError, Dataset, load_dataset)
+from fedrobust.data.splits import (ServerSplits, local_train_test_split,
+                                   make_server_splits)

@@ -1,0 +1,130 @@
+"""From a Dataset to the fixed-shape arrays a compiled round consumes.
+
+Host-side numpy only. Every client's examples are padded to the largest
+client (N) so all clients share one program; `count` says how many rows
+are real, and the engine's batch plan masks the rest. Images stay uint8.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from fedrobust.data.partition import class_histograms, partition
+from fedrobust.data.sources import Dataset
+from fedrobust.data.splits import local_train_test_split, make_server_splits
+from fedrobust.engine.evaluate import pad_to_batches
+from fedrobust.types import FederatedData
+
+
+class EvalSet(NamedTuple):
+  """Batched examples with a mask: x [..., T, B, H, W, Ch], y/mask [..., T, B]."""
+  x: np.ndarray
+  y: np.ndarray
+  mask: np.ndarray
+
+
+class FederatedSetup(NamedTuple):
+  """Everything a run needs from its data, as host arrays."""
+  train: FederatedData      # numpy leaves: x [K, N, ...], y [K, N], count [K]
+  local_test: EvalSet       # each client's local test split, [K, T, B, ...]
+  test: EvalSet             # the global test set, [T, B, ...]
+  validation_x: np.ndarray  # clean server validation set U, uint8[V, ...]
+  validation_y: np.ndarray  # int32[V]
+  public_x: np.ndarray      # public/anchor split (distillation), uint8[P, ...]
+  public_y: np.ndarray      # int32[P]
+  histograms: np.ndarray    # int64[K, classes], training examples per class
+  num_classes: int
+  input_shape: tuple[int, ...]
+
+
+def stack_clients(x: np.ndarray, y: np.ndarray,
+                  parts: list[np.ndarray]) -> FederatedData:
+  """Pads every client's examples to the largest client.
+
+  Args:
+    x: uint8[M, H, W, Ch]; y: int[M].
+    parts: K index arrays into x (may be empty).
+
+  Returns:
+    FederatedData with numpy leaves x uint8[K, N, ...], y int32[K, N],
+    count int32[K], N = max(1, largest part).
+  """
+  counts = np.array([len(p) for p in parts], np.int32)
+  n = max(1, int(counts.max(initial=0)))
+  xs = np.zeros((len(parts), n, *x.shape[1:]), np.uint8)
+  ys = np.zeros((len(parts), n), np.int32)
+  for k, p in enumerate(parts):
+    xs[k, :len(p)] = x[p]
+    ys[k, :len(p)] = y[p]
+  return FederatedData(xs, ys, counts)
+
+
+def stack_eval_sets(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray],
+                    batch_size: int) -> EvalSet:
+  """Per-client evaluation sets batched to [K, T, B, ...] with masks."""
+  t = max(1, max((-(-len(p) // batch_size) for p in parts), default=1))
+  batched = [pad_to_batches(x[p], y[p].astype(np.int32), batch_size)
+             for p in parts]
+  out_x = np.zeros((len(parts), t, batch_size, *x.shape[1:]), np.uint8)
+  out_y = np.zeros((len(parts), t, batch_size), np.int32)
+  out_m = np.zeros((len(parts), t, batch_size), bool)
+  for k, (bx, by, bm) in enumerate(batched):
+    out_x[k, :len(bx)], out_y[k, :len(by)], out_m[k, :len(bm)] = bx, by, bm
+  return EvalSet(out_x, out_y, out_m)
+
+
+def subsample(dataset: Dataset, max_train_examples: int,
+              seed: int) -> Dataset:
+  """A seeded random subset of the training split (0 keeps everything)."""
+  if max_train_examples <= 0 or max_train_examples >= len(dataset.train_y):
+    return dataset
+  keep = np.sort(np.random.default_rng(seed).choice(
+      len(dataset.train_y), max_train_examples, replace=False))
+  return dataset._replace(train_x=dataset.train_x[keep],
+                          train_y=dataset.train_y[keep])
+
+
+def build_federated_setup(dataset: Dataset, *, num_clients: int,
+                          partition_name: str, seed: int,
+                          dirichlet_alpha: float = 0.5,
+                          classes_per_client: int = 2,
+                          quantity_alpha: float = 0.5,
+                          validation_fraction: float = 0.0,
+                          validation_size: int = 0, public_size: int = 0,
+                          local_test_fraction: float = 0.0,
+                          eval_batch_size: int = 500) -> FederatedSetup:
+  """Splits, partitions and stacks a dataset for a federated run.
+
+  Order: server splits (validation reserve, public set) are carved from the
+  training split first; the rest is partitioned over the clients; each
+  client's part is then split into local train and local test.
+  """
+  server = make_server_splits(dataset.train_y,
+                              validation_fraction=validation_fraction,
+                              validation_size=validation_size,
+                              public_size=public_size, seed=seed)
+  pool = server.client_pool
+  parts = partition(partition_name, dataset.train_y[pool], num_clients,
+                    seed=seed, dirichlet_alpha=dirichlet_alpha,
+                    classes_per_client=classes_per_client,
+                    quantity_alpha=quantity_alpha)
+  parts = [pool[p] for p in parts]
+  train_parts, test_parts = local_train_test_split(
+      parts, test_fraction=local_test_fraction, seed=seed)
+  y = dataset.train_y.astype(np.int32)
+  return FederatedSetup(
+      train=stack_clients(dataset.train_x, y, train_parts),
+      local_test=stack_eval_sets(dataset.train_x, y, test_parts,
+                                 eval_batch_size),
+      test=EvalSet(*pad_to_batches(dataset.test_x,
+                                   dataset.test_y.astype(np.int32),
+                                   eval_batch_size)),
+      validation_x=dataset.train_x[server.validation],
+      validation_y=y[server.validation],
+      public_x=dataset.train_x[server.public],
+      public_y=y[server.public],
+      histograms=class_histograms(y, train_parts, dataset.num_classes),
+      num_classes=dataset.num_classes,
+      input_shape=tuple(dataset.train_x.shape[1:]))

@@ -1,0 +1,425 @@
+"""Dataset sources: IDX files on disk and prepared TFDS data sources.
+
+Every loader returns a `Dataset` of host numpy arrays: images as uint8
+`[N, H, W, C]` and labels as int32 `[N]`. Nothing here downloads anything; a
+missing dataset raises `DataNotFoundError` with instructions for getting it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+DEFAULT_FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
+
+# IDX type codes (third magic byte) -> big-endian numpy dtype.
+_IDX_DTYPES = {
+    0x08: np.dtype('>u1'),
+    0x09: np.dtype('>i1'),
+    0x0B: np.dtype('>i2'),
+    0x0C: np.dtype('>i4'),
+    0x0D: np.dtype('>f4'),
+    0x0E: np.dtype('>f8'),
+}
+
+# The four standard IDX files, as (prefix, suffix) of
+# '{prefix}-{suffix}' (e.g. 'train-images-idx3-ubyte').
+_IDX_FILES = {
+    'train_x': ('train-images', 'idx3-ubyte'),
+    'train_y': ('train-labels', 'idx1-ubyte'),
+    'test_x': ('t10k-images', 'idx3-ubyte'),
+    'test_y': ('t10k-labels', 'idx1-ubyte'),
+}
+
+_GZIP_MAGIC = b'\x1f\x8b'
+
+# Examples requested per batched read from a TFDS data source.
+_TFDS_READ_BATCH = 1024
+
+
+class Dataset(NamedTuple):
+  """An image-classification dataset held in host memory.
+
+  Attributes:
+    train_x: uint8 `[N, H, W, C]` training images.
+    train_y: int32 `[N]` training labels in `[0, num_classes)`.
+    test_x: uint8 `[M, H, W, C]` test images.
+    test_y: int32 `[M]` test labels in `[0, num_classes)`.
+    num_classes: Number of classes.
+    name: Short dataset name, e.g. 'fashion_mnist'.
+  """
+
+  train_x: np.ndarray
+  train_y: np.ndarray
+  test_x: np.ndarray
+  test_y: np.ndarray
+  num_classes: int
+  name: str
+
+
+class DataNotFoundError(FileNotFoundError):
+  """The requested dataset is not available locally.
+
+  The message says where the loader looked, what was missing and how to get
+  the data onto this machine.
+  """
+
+
+# ----------------------------------------------------------------------------
+# IDX files.
+# ----------------------------------------------------------------------------
+
+
+def parse_idx(data: bytes, *, source: str = '<bytes>') -> np.ndarray:
+  """Parses the contents of one (uncompressed) IDX file.
+
+  The IDX format is a 4-byte magic number (two zero bytes, a type code and the
+  number of dimensions), then one big-endian uint32 per dimension, then the
+  big-endian payload in C order.
+
+  Args:
+    data: Raw, uncompressed IDX bytes.
+    source: Where the bytes came from, used in error messages.
+
+  Returns:
+    An array with the file's shape, in native byte order.
+
+  Raises:
+    ValueError: If the header is malformed or the payload has the wrong size.
+  """
+  if len(data) < 4 or data[0] != 0 or data[1] != 0:
+    raise ValueError(f'{source}: not an IDX file (bad magic number).')
+  type_code, ndim = data[2], data[3]
+  if type_code not in _IDX_DTYPES:
+    raise ValueError(f'{source}: unknown IDX type code 0x{type_code:02x}.')
+  header_size = 4 + 4 * ndim
+  if len(data) < header_size:
+    raise ValueError(f'{source}: truncated IDX header.')
+  shape = tuple(int(d) for d in np.frombuffer(data, '>u4', ndim, offset=4))
+  dtype = _IDX_DTYPES[type_code]
+  expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  actual = len(data) - header_size
+  if actual != expected:
+    raise ValueError(
+        f'{source}: IDX header declares shape {shape} ({expected} payload '
+        f'bytes) but the file holds {actual} payload bytes.'
+    )
+  array = np.frombuffer(data, dtype, offset=header_size).reshape(shape)
+  return array.astype(dtype.newbyteorder('='))
+
+
+def read_idx(path: str) -> np.ndarray:
+  """Reads an IDX file, gzip-compressed or not (detected from its content).
+
+  Args:
+    path: Path to the file.
+
+  Returns:
+    The parsed array, see `parse_idx`.
+  """
+  with open(path, 'rb') as f:
+    data = f.read()
+  if data[:2] == _GZIP_MAGIC:
+    data = gzip.decompress(data)
+  return parse_idx(data, source=path)
+
+
+def _idx_candidates(prefix: str, suffix: str) -> list[str]:
+  """File names accepted for one IDX file, in order of preference."""
+  names = [f'{prefix}-{suffix}', f'{prefix}.{suffix}']
+  return [n + ext for n in names for ext in ('.gz', '')]
+
+
+def _find_idx_files(data_dir: str) -> tuple[dict[str, str], list[str]]:
+  """Locates the four IDX files in `data_dir`.
+
+  Returns:
+    A pair `(found, missing)`: `found` maps Dataset field names to paths;
+    `missing` lists the canonical names of the files not found.
+  """
+  found, missing = {}, []
+  for field, (prefix, suffix) in _IDX_FILES.items():
+    for name in _idx_candidates(prefix, suffix):
+      path = os.path.join(data_dir, name)
+      if os.path.isfile(path):
+        found[field] = path
+        break
+    else:
+      missing.append(f'{prefix}-{suffix}[.gz]')
+  return found, missing
+
+
+def _idx_not_found_message(data_dir: str, missing: Sequence[str]) -> str:
+  where = (
+      f'in directory {data_dir!r}'
+      if os.path.isdir(data_dir)
+      else f'because directory {data_dir!r} does not exist'
+  )
+  expected = ', '.join(
+      f'{p}-{s}.gz' for p, s in _IDX_FILES.values()
+  )
+  return (
+      f'Could not load IDX dataset {where}. Missing: {", ".join(missing)}. '
+      'To get Fashion-MNIST on Debian/Ubuntu run '
+      '`apt-get install -y dataset-fashion-mnist` (installs into '
+      f'{DEFAULT_FASHION_MNIST_DIR}), or pass --data_dir pointing at a '
+      f'directory with the four IDX files ({expected}; uncompressed files '
+      'are accepted too).'
+  )
+
+
+def _check_images(images: np.ndarray, path: str) -> np.ndarray:
+  """Validates IDX images and returns them as uint8 [N, H, W, 1]."""
+  if images.dtype != np.uint8 or images.ndim != 3:
+    raise ValueError(
+        f'{path}: expected uint8 images of shape [N, H, W], got '
+        f'{images.dtype} {images.shape}.'
+    )
+  return images[..., None]
+
+
+def _check_labels(labels: np.ndarray, path: str) -> np.ndarray:
+  """Validates IDX labels and returns them as int32 [N]."""
+  if labels.dtype != np.uint8 or labels.ndim != 1:
+    raise ValueError(
+        f'{path}: expected uint8 labels of shape [N], got '
+        f'{labels.dtype} {labels.shape}.'
+    )
+  return labels.astype(np.int32)
+
+
+def load_idx(data_dir: str, *, name: str = 'idx') -> Dataset:
+  """Loads an MNIST-style dataset from the four standard IDX files.
+
+  Looks in `data_dir` for `train-images-idx3-ubyte`, `train-labels-idx1-ubyte`,
+  `t10k-images-idx3-ubyte` and `t10k-labels-idx1-ubyte`, each optionally
+  gzip-compressed (`.gz`); the `train-images.idx3-ubyte` spelling is accepted
+  too.
+
+  Args:
+    data_dir: Directory containing the IDX files.
+    name: Name recorded in the returned `Dataset`.
+
+  Returns:
+    The dataset, with images of shape `[N, H, W, 1]` (28x28 for MNIST-style
+    data) and `num_classes` equal to the largest label plus one.
+
+  Raises:
+    DataNotFoundError: If any of the four files is missing.
+    ValueError: If a file is malformed or the files do not match each other.
+  """
+  found, missing = _find_idx_files(data_dir)
+  if missing:
+    raise DataNotFoundError(_idx_not_found_message(data_dir, missing))
+  arrays = {}
+  for field, path in found.items():
+    raw = read_idx(path)
+    check = _check_images if field.endswith('_x') else _check_labels
+    arrays[field] = check(raw, path)
+  for split in ('train', 'test'):
+    x, y = arrays[f'{split}_x'], arrays[f'{split}_y']
+    if len(x) != len(y):
+      raise ValueError(
+          f'{data_dir}: {split} split has {len(x)} images but {len(y)} '
+          'labels.'
+      )
+  if arrays['train_x'].shape[1:] != arrays['test_x'].shape[1:]:
+    raise ValueError(
+        f'{data_dir}: train images {arrays["train_x"].shape[1:]} and test '
+        f'images {arrays["test_x"].shape[1:]} differ in shape.'
+    )
+  num_classes = int(max(arrays['train_y'].max(initial=-1),
+                        arrays['test_y'].max(initial=-1))) + 1
+  return Dataset(**arrays, num_classes=num_classes, name=name)
+
+
+# ----------------------------------------------------------------------------
+# TFDS (array_record data sources; no TensorFlow needed).
+# ----------------------------------------------------------------------------
+
+
+def _tfds_not_found_message(
+    name: str, data_dir: str | None, cause: BaseException
+) -> str:
+  where = (
+      f'in --data_dir {data_dir!r}'
+      if data_dir
+      else 'in the default TFDS directory (~/tensorflow_datasets or '
+      '$TFDS_DATA_DIR; no --data_dir given)'
+  )
+  dir_arg = data_dir or '/path/to/tfds_data'
+  first_line = str(cause).strip().split('\n', 1)[0]
+  return (
+      f'TFDS dataset {name!r} is not prepared {where} in a random-access '
+      '(array_record) format. This machine cannot download it. On a machine '
+      'with internet (and TensorFlow, which `tfds build` needs) run '
+      f'`tfds build {name} --data_dir={dir_arg} '
+      '--file_format=array_record`, copy that directory here and pass it as '
+      f'--data_dir. (TFDS said: {type(cause).__name__}: {first_line})'
+  )
+
+
+def _read_batches(source: Any, batch_size: int) -> Iterator[Sequence[Any]]:
+  """Yields the records of a random-access source in order, in batches.
+
+  Uses the source's batched `__getitems__` when it has one (array_record data
+  sources do), else one `__getitem__` per record.
+  """
+  n = len(source)
+  for start in range(0, n, batch_size):
+    keys = list(range(start, min(n, start + batch_size)))
+    if hasattr(source, '__getitems__'):
+      yield source.__getitems__(keys)
+    else:
+      yield [source[k] for k in keys]
+
+
+def _read_split(
+    source: Any, split: str, batch_size: int = _TFDS_READ_BATCH
+) -> tuple[np.ndarray, np.ndarray]:
+  """Reads `{'image', 'label'}` records into uint8 images and int32 labels.
+
+  Args:
+    source: Random-access source (`__len__` and `__getitem__`).
+    split: Split name, used in error messages.
+    batch_size: Records requested per batched read.
+
+  Returns:
+    Images `[N, H, W, C]` uint8 and labels `[N]` int32, in source order.
+  """
+  n = len(source)
+  if n == 0:
+    raise ValueError(f'TFDS split {split!r} is empty.')
+  shape = np.shape(source[0]['image'])
+  if len(shape) != 3:
+    raise ValueError(
+        f'TFDS split {split!r}: expected images of shape [H, W, C], got '
+        f'{shape}.'
+    )
+  images = np.empty((n, *shape), np.uint8)
+  labels = np.empty((n,), np.int32)
+  i = 0
+  for batch in _read_batches(source, batch_size):
+    for record in batch:
+      image = np.asarray(record['image'])
+      if image.dtype != np.uint8 or image.shape != shape:
+        raise ValueError(
+            f'TFDS split {split!r}, example {i}: expected a uint8 {shape} '
+            f'image, got {image.dtype} {image.shape}.'
+        )
+      images[i] = image
+      labels[i] = record['label']
+      i += 1
+  return images, labels
+
+
+def load_tfds(name: str, data_dir: str | None) -> Dataset:
+  """Loads the 'train' and 'test' splits of a prepared TFDS dataset.
+
+  Uses `tfds.data_source` (random access over array_record files), which does
+  not need TensorFlow. Nothing is downloaded: the dataset must already be
+  prepared in `data_dir` (e.g. by `tfds build NAME --file_format=array_record`
+  elsewhere). Records must be dicts with a uint8 `'image'` `[H, W, C]` and an
+  integer `'label'`.
+
+  Args:
+    name: TFDS dataset name, e.g. 'mnist' or 'cifar10'.
+    data_dir: TFDS data directory; None means the TFDS default.
+
+  Returns:
+    The dataset; `num_classes` comes from the `'label'` feature.
+
+  Raises:
+    DataNotFoundError: If the dataset is not prepared in `data_dir` (in a
+      random-access format).
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  not_prepared_errors = (
+      KeyError,  # No 'train'/'test' split: nothing prepared there.
+      NotImplementedError,  # Prepared without random access (tfrecord).
+      FileNotFoundError,
+      tfds.core.DatasetNotFoundError,  # Not in TFDS code and not on disk.
+  )
+  try:
+    sources = tfds.data_source(
+        name,
+        split={'train': 'train', 'test': 'test'},
+        data_dir=data_dir,
+        download=False,
+        builder_kwargs={'file_format': 'array_record'},
+    )
+  except not_prepared_errors as e:
+    raise DataNotFoundError(_tfds_not_found_message(name, data_dir, e)) from e
+  train_x, train_y = _read_split(sources['train'], 'train')
+  test_x, test_y = _read_split(sources['test'], 'test')
+  features = sources['train'].dataset_info.features
+  return Dataset(
+      train_x=train_x,
+      train_y=train_y,
+      test_x=test_x,
+      test_y=test_y,
+      num_classes=int(features['label'].num_classes),
+      name=name,
+  )
+
+
+# ----------------------------------------------------------------------------
+# Registry.
+# ----------------------------------------------------------------------------
+
+
+def _load_fashion_mnist(data_dir: str | None) -> Dataset:
+  return load_idx(data_dir or DEFAULT_FASHION_MNIST_DIR, name='fashion_mnist')
+
+
+def _load_any_idx(data_dir: str | None) -> Dataset:
+  if data_dir is None:
+    raise ValueError(
+        "Dataset 'idx' needs --data_dir pointing at a directory with the four "
+        'IDX files.'
+    )
+  return load_idx(data_dir, name='idx')
+
+
+def _tfds_loader(tfds_name: str) -> Callable[[str | None], Dataset]:
+  def load(data_dir: str | None) -> Dataset:
+    return load_tfds(tfds_name, data_dir)
+
+  load.__name__ = f'load_tfds_{tfds_name}'
+  return load
+
+
+DATASETS: dict[str, Callable[[str | None], Dataset]] = {
+    'fashion_mnist': _load_fashion_mnist,
+    'idx': _load_any_idx,
+    'mnist': _tfds_loader('mnist'),
+    'cifar10': _tfds_loader('cifar10'),
+    'cifar100': _tfds_loader('cifar100'),
+    'tfds_fashion_mnist': _tfds_loader('fashion_mnist'),
+}
+
+
+def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
+  """Loads a dataset by its registry name.
+
+  Args:
+    name: A key of `DATASETS`.
+    data_dir: Where the data lives; None means the dataset's default.
+
+  Returns:
+    The loaded dataset.
+
+  Raises:
+    ValueError: If `name` is not a known dataset.
+    DataNotFoundError: If the data is not available locally.
+  """
+  if name not in DATASETS:
+    raise ValueError(
+        f'Unknown --dataset {name!r}; valid choices: '
+        f'{", ".join(sorted(DATASETS))}.'
+    )
+  return DATASETS[name](data_dir)

@@ -1,0 +1,110 @@
+"""How the round's clients are executed: vmap, chunked vmap or lax.map.
+
+The client function is written for ONE client. The strategy is a compile
+choice and never changes a result beyond float reassociation:
+
+- 'vmap': all C clients batched. Best on GPU/TPU.
+- 'chunked': lax.map over chunks of `chunk_size` vmapped clients; bounds
+  memory at large C.
+- 'sequential': lax.map over clients. On XLA:CPU it avoids the grouped
+  convolutions that vmap makes of per-client conv weights, and a client's
+  padded steps are skipped by lax.cond instead of computed and discarded.
+
+With a `jax.sharding.Mesh`, the client axis is split over the mesh's
+'clients' axis with `jax.shard_map`; each device runs the strategy on its
+own clients, and reductions over clients in the server update become
+all-reduces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+PyTree = Any
+STRATEGIES = ('vmap', 'chunked', 'sequential')
+CLIENT_AXIS = 'clients'
+
+
+def default_strategy(backend: str | None = None) -> str:
+  """'sequential' on CPU, 'vmap' on GPU/TPU (see BUILD_NOTES.md)."""
+  backend = backend or jax.default_backend()
+  return 'sequential' if backend == 'cpu' else 'vmap'
+
+
+def validate_strategy(strategy: str, chunk_size: int) -> None:
+  if strategy not in STRATEGIES:
+    raise ValueError(f'--client_execution={strategy!r}; expected one of '
+                     f'{("auto",) + STRATEGIES}')
+  if strategy == 'chunked' and chunk_size < 1:
+    raise ValueError('--client_execution=chunked needs --chunk_size >= 1, '
+                     f'got {chunk_size}')
+
+
+def map_clients(fn: Callable[[PyTree], PyTree], per_client: PyTree, *,
+                strategy: str, chunk_size: int = 0) -> PyTree:
+  """Applies `fn` (ONE client) over leaves [C, ...] of `per_client`."""
+  validate_strategy(strategy, chunk_size)
+  if strategy == 'vmap':
+    return jax.vmap(fn)(per_client)
+  if strategy == 'sequential':
+    return jax.lax.map(fn, per_client)
+  c = jax.tree.leaves(per_client)[0].shape[0]
+  k = min(chunk_size, c)
+  padded = -(-c // k) * k
+
+  def pad_and_split(leaf):
+    if padded != c:  # repeat slot 0; the copies are sliced off below
+      fill = jnp.broadcast_to(leaf[:1], (padded - c, *leaf.shape[1:]))
+      leaf = jnp.concatenate([leaf, fill])
+    return leaf.reshape(padded // k, k, *leaf.shape[1:])
+
+  out = jax.lax.map(jax.vmap(fn), jax.tree.map(pad_and_split, per_client))
+  return jax.tree.map(lambda leaf: leaf.reshape(padded, *leaf.shape[2:])[:c],
+                      out)
+
+
+def client_mesh(num_devices: int | None = None) -> Mesh:
+  """A 1-D mesh named 'clients' over the first `num_devices` devices."""
+  devices = jax.devices()
+  if num_devices is not None:
+    if not 1 <= num_devices <= len(devices):
+      raise ValueError(f'--num_devices={num_devices}; this host sees '
+                       f'{len(devices)} device(s)')
+    devices = devices[:num_devices]
+  return Mesh(np.array(devices), (CLIENT_AXIS,))
+
+
+def run_clients(fn: Callable[[PyTree, PyTree], PyTree], per_client: PyTree,
+                shared: PyTree, *, strategy: str, chunk_size: int = 0,
+                mesh: Mesh | None = None) -> PyTree:
+  """Runs fn(one_client_slice, shared) for every client slot.
+
+  Args:
+    fn: ONE client's computation.
+    per_client: leaves [C, ...]; C must be a multiple of the mesh size.
+    shared: replicated inputs (global params, the data arrays, ...).
+    strategy: one of STRATEGIES.
+    chunk_size: clients per vmapped chunk for 'chunked'.
+    mesh: optional mesh with a 'clients' axis.
+
+  Returns:
+    fn's outputs stacked over clients, leaves [C, ...].
+  """
+  def local(per_client, shared):
+    return map_clients(lambda one: fn(one, shared), per_client,
+                       strategy=strategy, chunk_size=chunk_size)
+
+  if mesh is None or mesh.size == 1:
+    return local(per_client, shared)
+  c = jax.tree.leaves(per_client)[0].shape[0]
+  if c % mesh.size:
+    raise ValueError(f'{c} client slots do not split over {mesh.size} '
+                     'devices; pad the round (engine.round does)')
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(CLIENT_AXIS), P()),
+                       out_specs=P(CLIENT_AXIS), check_vma=False)(
+                           per_client, shared)

@@ -1,0 +1,162 @@
+"""Local training of ONE client as pure functions (batched by the caller).
+
+A client's schedule has a static number of steps S = epochs * ceil(N / B),
+where N is the largest client's size. A client with fewer examples gets
+masked steps (params and optimizer state pass through unchanged) and a
+masked tail in its last partial batch (those examples do not count in the
+loss). Under `lax.map` a masked step is skipped by `lax.cond`; under `vmap`
+the same code becomes a select, so the result is identical either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedrobust.types import BatchPlan, LocalData
+
+Params = Any
+# loss_fn(params, x float[B, ...], y int32[B], example_mask bool[B], key)
+#   -> (scalar loss, aux dict of float32[] metrics)
+LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+class LocalConfig(NamedTuple):
+  """Static hyperparameters of local training."""
+  batch_size: int
+  num_epochs: int
+  steps_per_epoch: int   # ceil(N / B) for the padded client size N
+  unroll: int = 1        # lax.scan unroll factor over local steps
+
+  @property
+  def num_steps(self) -> int:
+    return self.num_epochs * self.steps_per_epoch
+
+
+def sgd(*, learning_rate: float, momentum: float = 0.0,
+        weight_decay: float = 0.0) -> optax.GradientTransformation:
+  """PyTorch-style SGD: g + wd * w, then (heavy-ball) momentum, then -lr."""
+  return optax.chain(
+      optax.add_decayed_weights(weight_decay) if weight_decay else
+      optax.identity(),
+      optax.sgd(learning_rate, momentum=momentum or None))
+
+
+def make_batch_plan(key: jax.Array, count: jax.Array, *,
+                    config: LocalConfig) -> BatchPlan:
+  """Shuffled mini-batches over the first `count` rows, per epoch.
+
+  Each epoch is a fresh permutation of the client's real examples; padding
+  rows (>= count) are ordered last and never reach a real batch slot.
+
+  Args:
+    key: PRNG key.
+    count: int32[], real examples of this client.
+    config: static batch size, epochs and steps per epoch.
+
+  Returns:
+    BatchPlan with index [S, B], example_mask [S, B], step_mask [S].
+  """
+  b, p, e = config.batch_size, config.steps_per_epoch, config.num_epochs
+  n = b * p
+  position = jnp.arange(n)
+  valid = position < count
+
+  def one_epoch(k):
+    noise = jax.random.uniform(k, (n,))
+    return jnp.argsort(jnp.where(valid, noise, 2.0)).astype(jnp.int32)
+
+  perms = jax.vmap(one_epoch)(jax.random.split(key, e))     # [E, n]
+  index = perms.reshape(e * p, b)
+  example_mask = jnp.broadcast_to(valid.reshape(p, b), (e, p, b)).reshape(
+      e * p, b)
+  return BatchPlan(index, example_mask, example_mask[:, 0])
+
+
+def gather_batch(data: LocalData, rows: jax.Array) -> tuple[jax.Array,
+                                                            jax.Array]:
+  """Rows of one client's data: uint8[B, H, W, Ch], int32[B]."""
+  rows = jnp.minimum(rows, data.x.shape[1] - 1)
+  return data.x[data.client_id, rows], data.y[data.client_id, rows]
+
+
+def normalize_images(x: jax.Array, mean: float = 0.5,
+                     std: float = 0.5) -> jax.Array:
+  """uint8 images -> float32 (x / 255 - mean) / std, on the device."""
+  return (x.astype(jnp.float32) / 255.0 - mean) / std
+
+
+def masked_cross_entropy(logits: jax.Array, labels: jax.Array,
+                         mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Mean CE and accuracy over the unmasked examples (0 if none)."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+  m = mask.astype(jnp.float32)
+  denom = jnp.maximum(jnp.sum(m), 1.0)
+  return jnp.sum(ce * m) / denom, jnp.sum(correct * m) / denom
+
+
+def classification_loss(apply_fn: Callable, *, image_mean: float = 0.5,
+                        image_std: float = 0.5) -> LossFn:
+  """Masked cross-entropy of `apply_fn` on uint8 image batches."""
+  def loss_fn(params, x, y, example_mask, key):
+    del key
+    logits = apply_fn(params, normalize_images(x, image_mean, image_std))
+    loss, acc = masked_cross_entropy(logits, y, example_mask)
+    return loss, {'train_loss': loss, 'train_accuracy': acc}
+  return loss_fn
+
+
+def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
+                plan: BatchPlan, key: jax.Array, *,
+                optimizer: optax.GradientTransformation,
+                config: LocalConfig) -> tuple[Params, dict[str, jax.Array]]:
+  """Runs the plan's S steps of `optimizer` on ONE client.
+
+  Args:
+    loss_fn: see LossFn; it may close over anchors (FedProx, FDReg).
+    params: starting params (the global model, usually).
+    data: the client's LocalData.
+    plan: from make_batch_plan.
+    key: PRNG key passed to loss_fn, split per step.
+    optimizer: a fresh optimizer state is created from `params`.
+    config: static settings (unroll).
+
+  Returns:
+    (final params, metrics averaged over the real steps).
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  opt_state = optimizer.init(params)
+  step_keys = jax.random.split(key, config.num_steps)
+  _, aux_shape = jax.eval_shape(
+      loss_fn, params, *gather_batch(data, plan.index[0]),
+      plan.example_mask[0], step_keys[0])
+  zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+
+  def step(carry, inputs):
+    p, o, sums = carry
+    rows, ex_mask, live, k = inputs
+
+    def run(p, o):
+      x, y = gather_batch(data, rows)
+      (_, aux), grads = grad_fn(p, x, y, ex_mask, k)
+      updates, o2 = optimizer.update(grads, o, p)
+      return optax.apply_updates(p, updates), o2, aux
+
+    def skip(p, o):
+      return p, o, zero_aux
+
+    p2, o2, aux = jax.lax.cond(live, run, skip, p, o)
+    sums = jax.tree.map(jnp.add, sums, aux)
+    return (p2, o2, sums), None
+
+  (params, _, sums), _ = jax.lax.scan(
+      step, (params, opt_state, zero_aux),
+      (plan.index, plan.example_mask, plan.step_mask, step_keys),
+      unroll=config.unroll)
+  live_steps = jnp.maximum(jnp.sum(plan.step_mask), 1).astype(jnp.float32)
+  return params, jax.tree.map(lambda s: s / live_steps, sums)
+

@@ -1,0 +1,605 @@
+"""Tests for fedrobust.data: sources, server/client splits and partitioners."""
+
+import functools
+import gzip
+import os
+import sys
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import numpy as np
+
+from fedrobust.data import partition
+from fedrobust.data import sources
+from fedrobust.data import splits
+
+
+
+def _balanced_labels(num_classes, per_class, seed=0):
+  labels = np.repeat(np.arange(num_classes), per_class)
+  return np.random.default_rng(seed).permutation(labels)
+
+
+def _assert_partition(test, parts, n):
+  """Asserts `parts` are sorted int64 arrays covering range(n) exactly once."""
+  for p in parts:
+    test.assertEqual(p.dtype, np.int64)
+    test.assertTrue(np.all(np.diff(p) > 0), 'part not sorted/unique')
+  np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(n))
+
+
+def _shares(labels, parts, num_classes):
+  hist = partition.class_histograms(labels, parts, num_classes)
+  return hist / hist.sum(axis=1, keepdims=True)
+
+
+# ----------------------------------------------------------------------------
+# Partitioners.
+# ----------------------------------------------------------------------------
+
+
+class PartitionTest(parameterized.TestCase):
+
+  @parameterized.parameters(*sorted(partition.PARTITIONERS))
+  def test_covers_each_index_once(self, name):
+    labels = _balanced_labels(10, 97)
+    parts = partition.partition(name, labels, 23, seed=0)
+    self.assertLen(parts, 23)
+    _assert_partition(self, parts, len(labels))
+
+  @parameterized.parameters(*sorted(partition.PARTITIONERS))
+  def test_deterministic_in_seed(self, name):
+    labels = _balanced_labels(10, 100)
+    a = partition.partition(name, labels, 17, seed=3)
+    b = partition.partition(name, labels, 17, seed=3)
+    c = partition.partition(name, labels, 17, seed=4)
+    for pa, pb in zip(a, b):
+      np.testing.assert_array_equal(pa, pb)
+    self.assertFalse(all(np.array_equal(pa, pc) for pa, pc in zip(a, c)))
+
+  @parameterized.parameters(*sorted(partition.PARTITIONERS))
+  def test_single_client_gets_everything(self, name):
+    labels = _balanced_labels(10, 10)
+    parts = partition.partition(name, labels, 1, seed=0, classes_per_client=10)
+    np.testing.assert_array_equal(parts[0], np.arange(len(labels)))
+
+  def test_iid_sizes_near_equal(self):
+    parts = partition.iid(np.zeros(103, np.int32), 10, seed=0)
+    self.assertEqual({len(p) for p in parts}, {10, 11})
+
+  def test_unknown_name(self):
+    with self.assertRaisesRegex(ValueError, '--partition.*dirichlet'):
+      partition.partition('nope', np.zeros(10, np.int32), 2, seed=0)
+
+  @parameterized.parameters(0, -1, 11)
+  def test_bad_num_clients(self, num_clients):
+    with self.assertRaisesRegex(ValueError, '--num_clients'):
+      partition.partition('iid', np.zeros(10, np.int32), num_clients, seed=0)
+
+  def test_bad_labels(self):
+    with self.assertRaisesRegex(ValueError, 'integer'):
+      partition.iid(np.zeros((4, 2), np.int32), 2, seed=0)
+    with self.assertRaisesRegex(ValueError, 'non-negative'):
+      partition.iid(np.array([0, -1, 2]), 2, seed=0)
+
+  def test_class_histograms(self):
+    labels = np.array([0, 1, 1, 2, 2, 2])
+    parts = [np.array([0, 3]), np.array([1, 2, 4, 5])]
+    hist = partition.class_histograms(labels, parts, 4)
+    self.assertEqual(hist.dtype, np.int64)
+    np.testing.assert_array_equal(hist, [[1, 0, 1, 0], [0, 2, 2, 0]])
+
+
+class DirichletTest(parameterized.TestCase):
+
+  def test_small_alpha_concentrates_classes(self):
+    labels = _balanced_labels(10, 2000)
+    max_share = {}
+    for alpha in (0.1, 100.0):
+      shares = [
+          _shares(labels, partition.dirichlet(labels, 20, alpha=alpha, seed=s),
+                  10)
+          for s in range(3)
+      ]
+      max_share[alpha] = np.mean([s.max(axis=1).mean() for s in shares])
+      if alpha == 100.0:
+        # Near-uniform: every client's class shares are close to 1/10.
+        self.assertLess(np.abs(np.stack(shares) - 0.1).max(), 0.05)
+    self.assertGreater(max_share[0.1], 0.5)
+    self.assertLess(max_share[100.0], 0.15)
+
+  @parameterized.parameters(1.0, 10.0)
+  def test_class_split_follows_dirichlet_moments(self, alpha):
+    num_clients, num_classes, per_class = 5, 10, 500
+    labels = _balanced_labels(num_classes, per_class)
+    # fractions[s, k, c]: share of class c that client k got with seed s.
+    fractions = np.stack([
+        partition.class_histograms(
+            labels,
+            partition.dirichlet(labels, num_clients, alpha=alpha, seed=s),
+            num_classes) / per_class
+        for s in range(40)
+    ])
+    mean = 1.0 / num_clients
+    # Every client gets ~1/K of every class on average (over seeds, and over
+    # seeds and classes, where the estimate is tighter).
+    np.testing.assert_allclose(fractions.mean(axis=0), mean, atol=0.1)
+    np.testing.assert_allclose(fractions.mean(axis=(0, 2)), mean, atol=0.03)
+    np.testing.assert_allclose(fractions.mean(), mean, atol=1e-3)
+    # Var of a Dir(alpha * 1_K) component: m (1 - m) / (alpha K + 1).
+    expected_var = mean * (1 - mean) / (alpha * num_clients + 1)
+    self.assertBetween(fractions.var() / expected_var, 0.75, 1.33)
+
+  def test_min_size(self):
+    labels = _balanced_labels(10, 100)
+    parts = partition.dirichlet(labels, 20, alpha=0.3, seed=0, min_size=10)
+    self.assertGreaterEqual(min(len(p) for p in parts), 10)
+    _assert_partition(self, parts, len(labels))
+
+  def test_unreachable_min_size(self):
+    labels = _balanced_labels(10, 10)
+    with self.assertRaisesRegex(ValueError, '--dirichlet_alpha'):
+      partition.dirichlet(labels, 50, alpha=0.001, seed=0, min_size=2)
+
+  @parameterized.parameters(0.0, -1.0, float('nan'))
+  def test_bad_alpha(self, alpha):
+    with self.assertRaisesRegex(ValueError, '--dirichlet_alpha'):
+      partition.partition('dirichlet', _balanced_labels(10, 10), 5, seed=0,
+                          dirichlet_alpha=alpha)
+
+
+class PathologicalTest(parameterized.TestCase):
+
+  @parameterized.parameters((100, 2), (30, 3), (7, 10), (10, 1))
+  def test_each_client_has_exactly_classes_per_client(self, num_clients, cpc):
+    labels = _balanced_labels(10, 600)
+    parts = partition.pathological(labels, num_clients, classes_per_client=cpc,
+                                   seed=0)
+    _assert_partition(self, parts, len(labels))
+    for p in parts:
+      self.assertLen(np.unique(labels[p]), cpc)
+
+  def test_balanced_sizes(self):
+    labels = _balanced_labels(10, 600)
+    sizes = [len(p) for p in partition.pathological(
+        labels, 100, classes_per_client=2, seed=0)]
+    self.assertEqual(set(sizes), {60})  # 20 shards of 30 per class.
+
+  def test_unbalanced_labels(self):
+    labels = np.random.default_rng(0).choice(
+        10, 3000, p=np.linspace(1, 10, 10) / 55)
+    parts = partition.pathological(labels, 40, classes_per_client=2, seed=1)
+    _assert_partition(self, parts, len(labels))
+    self.assertLessEqual(max(len(np.unique(labels[p])) for p in parts), 2)
+
+  def test_class_pairs_are_mixed(self):
+    labels = _balanced_labels(10, 100)
+    parts = partition.pathological(labels, 50, classes_per_client=2, seed=0)
+    pairs = {tuple(np.unique(labels[p])) for p in parts}
+    self.assertGreater(len(pairs), 10)
+
+  @parameterized.parameters(0, 11)
+  def test_bad_classes_per_client(self, cpc):
+    with self.assertRaisesRegex(ValueError, '--classes_per_client'):
+      partition.partition('pathological', _balanced_labels(10, 10), 5, seed=0,
+                          classes_per_client=cpc)
+
+  def test_too_few_shards_for_classes(self):
+    with self.assertRaisesRegex(ValueError, '--classes_per_client'):
+      partition.pathological(_balanced_labels(10, 10), 2,
+                             classes_per_client=2, seed=0)
+
+
+class QuantitySkewTest(absltest.TestCase):
+
+  def test_labels_iid_sizes_skewed(self):
+    labels = _balanced_labels(10, 2000)
+    parts = partition.quantity_skew(labels, 10, alpha=0.5, seed=0)
+    _assert_partition(self, parts, len(labels))
+    sizes = np.array([len(p) for p in parts])
+    self.assertGreater(sizes.max(), 3 * sizes.min())
+    big = [p for p in parts if len(p) >= 500]
+    self.assertNotEmpty(big)
+    shares = _shares(labels, big, 10)
+    self.assertLess(np.abs(shares - 0.1).max(), 0.06)
+
+  def test_large_alpha_near_equal_sizes(self):
+    parts = partition.quantity_skew(np.zeros(10000, np.int32), 10,
+                                    alpha=1e4, seed=0)
+    sizes = np.array([len(p) for p in parts])
+    self.assertLess(np.abs(sizes - 1000).max(), 100)
+
+  def test_min_size(self):
+    parts = partition.quantity_skew(np.zeros(1000, np.int32), 50, alpha=0.05,
+                                    seed=0, min_size=10)
+    self.assertGreaterEqual(min(len(p) for p in parts), 10)
+    _assert_partition(self, parts, 1000)
+
+  def test_bad_alpha(self):
+    with self.assertRaisesRegex(ValueError, '--quantity_alpha'):
+      partition.partition('quantity_skew', np.zeros(10, np.int32), 2, seed=0,
+                          quantity_alpha=0.0)
+
+
+# ----------------------------------------------------------------------------
+# Splits.
+# ----------------------------------------------------------------------------
+
+
+class ServerSplitsTest(absltest.TestCase):
+
+  def _split(self, **kw):
+    args = dict(validation_fraction=0.1, validation_size=50, public_size=20,
+                seed=0)
+    args.update(kw)
+    return splits.make_server_splits(np.zeros(1000, np.int32), **args)
+
+  def test_sizes_and_disjointness(self):
+    s = self._split()
+    self.assertLen(s.validation, 50)
+    self.assertLen(s.public, 20)
+    # 100 reserved (50 of them unused), 20 public.
+    self.assertLen(s.client_pool, 1000 - 100 - 20)
+    everything = np.concatenate(s)
+    self.assertLen(np.unique(everything), len(everything))
+    self.assertTrue(np.all((everything >= 0) & (everything < 1000)))
+    for a in s:
+      self.assertEqual(a.dtype, np.int64)
+      self.assertTrue(np.all(np.diff(a) > 0))
+
+  def test_deterministic(self):
+    a, b, c = self._split(), self._split(), self._split(seed=1)
+    for x, y in zip(a, b):
+      np.testing.assert_array_equal(x, y)
+    self.assertFalse(np.array_equal(a.validation, c.validation))
+    self.assertFalse(np.array_equal(a.public, c.public))
+
+  def test_validation_independent_of_public_size(self):
+    np.testing.assert_array_equal(self._split(public_size=0).validation,
+                                  self._split(public_size=300).validation)
+
+  def test_no_reserve(self):
+    s = self._split(validation_fraction=0.0, validation_size=0, public_size=0)
+    self.assertEmpty(s.validation)
+    self.assertEmpty(s.public)
+    np.testing.assert_array_equal(s.client_pool, np.arange(1000))
+    with self.assertRaisesRegex(ValueError, '--validation_size'):
+      self._split(validation_fraction=0.0, validation_size=1)
+
+  def test_validation_size_too_large(self):
+    self.assertLen(self._split(validation_size=100).validation, 100)
+    with self.assertRaisesRegex(ValueError, '--validation_size'):
+      self._split(validation_size=101)
+
+  def test_public_size_too_large(self):
+    with self.assertRaisesRegex(ValueError, '--public_size'):
+      self._split(public_size=900)
+    with self.assertRaisesRegex(ValueError, '--public_size'):
+      self._split(public_size=-1)
+
+  def test_bad_fraction(self):
+    for fraction in (-0.1, 1.0):
+      with self.assertRaisesRegex(ValueError, '--validation_fraction'):
+        self._split(validation_fraction=fraction)
+
+
+class LocalTrainTestSplitTest(absltest.TestCase):
+
+  def test_sizes_and_coverage(self):
+    rng = np.random.default_rng(0)
+    parts = [np.sort(rng.choice(10_000, n, replace=False))
+             for n in (0, 1, 2, 3, 10, 100)]
+    train, test = splits.local_train_test_split(parts, test_fraction=0.2,
+                                                seed=0)
+    self.assertEqual([len(t) for t in test], [0, 0, 1, 1, 2, 20])
+    for part, tr, te in zip(parts, train, test):
+      self.assertEqual(tr.dtype, np.int64)
+      self.assertEmpty(np.intersect1d(tr, te))
+      np.testing.assert_array_equal(np.sort(np.concatenate([tr, te])), part)
+
+  def test_deterministic(self):
+    parts = [np.arange(50), np.arange(50, 80)]
+    a = splits.local_train_test_split(parts, test_fraction=0.2, seed=1)
+    b = splits.local_train_test_split(parts, test_fraction=0.2, seed=1)
+    c = splits.local_train_test_split(parts, test_fraction=0.2, seed=2)
+    for x, y in zip(a[1], b[1]):
+      np.testing.assert_array_equal(x, y)
+    self.assertFalse(np.array_equal(a[1][0], c[1][0]))
+
+  def test_zero_fraction(self):
+    parts = [np.arange(5), np.arange(5, 6)]
+    train, test = splits.local_train_test_split(parts, test_fraction=0.0,
+                                                seed=0)
+    self.assertEqual([len(t) for t in test], [0, 0])
+    np.testing.assert_array_equal(train[0], parts[0])
+
+  def test_bad_fraction(self):
+    with self.assertRaisesRegex(ValueError, 'test_fraction'):
+      splits.local_train_test_split([np.arange(5)], test_fraction=1.0, seed=0)
+
+
+# ----------------------------------------------------------------------------
+# IDX sources.
+# ----------------------------------------------------------------------------
+
+
+def _idx_bytes(array, type_code=0x08):
+  array = np.asarray(array)
+  header = bytes([0, 0, type_code, array.ndim])
+  dims = np.asarray(array.shape, '>u4').tobytes()
+  return header + dims + array.astype(array.dtype.newbyteorder('>')).tobytes()
+
+
+_IDX_NAMES = ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte',
+              't10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte')
+
+
+def _write_idx_dir(directory, *, num_train=5, num_test=3, seed=0,
+                   compress=True, dotted=False, skip=()):
+  """Writes a tiny IDX dataset; returns the arrays that were written."""
+  rng = np.random.default_rng(seed)
+  arrays = (
+      rng.integers(0, 256, (num_train, 28, 28), dtype=np.uint8),
+      rng.integers(0, 10, num_train, dtype=np.uint8),
+      rng.integers(0, 256, (num_test, 28, 28), dtype=np.uint8),
+      rng.integers(0, 10, num_test, dtype=np.uint8),
+  )
+  for name, array in zip(_IDX_NAMES, arrays):
+    if name in skip:
+      continue
+    data = _idx_bytes(array)
+    if dotted:
+      name = name.replace('-idx', '.idx')
+    if compress:
+      data, name = gzip.compress(data), name + '.gz'
+    with open(os.path.join(directory, name), 'wb') as f:
+      f.write(data)
+  return arrays
+
+
+class IdxTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ('gz', True, False), ('raw', False, False), ('dotted_gz', True, True),
+      ('dotted_raw', False, True))
+  def test_roundtrip(self, compress, dotted):
+    directory = self.create_tempdir().full_path
+    tx, ty, vx, vy = _write_idx_dir(directory, compress=compress,
+                                    dotted=dotted)
+    ds = sources.load_idx(directory, name='tiny')
+    self.assertEqual(ds.name, 'tiny')
+    self.assertEqual(ds.train_x.dtype, np.uint8)
+    self.assertEqual(ds.train_y.dtype, np.int32)
+    self.assertEqual(ds.train_x.shape, (5, 28, 28, 1))
+    self.assertEqual(ds.test_x.shape, (3, 28, 28, 1))
+    np.testing.assert_array_equal(ds.train_x[..., 0], tx)
+    np.testing.assert_array_equal(ds.train_y, ty)
+    np.testing.assert_array_equal(ds.test_x[..., 0], vx)
+    np.testing.assert_array_equal(ds.test_y, vy)
+    self.assertEqual(ds.num_classes, max(ty.max(), vy.max()) + 1)
+
+  def test_parse_idx_multibyte_big_endian(self):
+    array = np.arange(-6, 6, dtype=np.int32).reshape(3, 4) * 1000
+    parsed = sources.parse_idx(_idx_bytes(array, type_code=0x0C))
+    self.assertEqual(parsed.dtype, np.int32)
+    self.assertTrue(parsed.dtype.isnative)
+    np.testing.assert_array_equal(parsed, array)
+
+  def test_parse_idx_errors(self):
+    good = _idx_bytes(np.zeros((2, 3), np.uint8))
+    with self.assertRaisesRegex(ValueError, 'magic'):
+      sources.parse_idx(b'\x01' + good[1:])
+    with self.assertRaisesRegex(ValueError, 'type code'):
+      sources.parse_idx(good[:2] + b'\x07' + good[3:])
+    with self.assertRaisesRegex(ValueError, 'payload'):
+      sources.parse_idx(good[:-1])
+    with self.assertRaisesRegex(ValueError, 'header'):
+      sources.parse_idx(good[:6])
+
+  def test_missing_file(self):
+    directory = self.create_tempdir().full_path
+    _write_idx_dir(directory, skip=('t10k-labels-idx1-ubyte',))
+    with self.assertRaises(sources.DataNotFoundError) as cm:
+      sources.load_idx(directory)
+    message = str(cm.exception)
+    self.assertIsInstance(cm.exception, FileNotFoundError)
+    self.assertIn(directory, message)
+    self.assertIn('t10k-labels-idx1-ubyte', message)
+    self.assertNotIn('train-images-idx3-ubyte[', message)
+    self.assertIn('dataset-fashion-mnist', message)
+    self.assertIn('--data_dir', message)
+
+  def test_missing_directory(self):
+    directory = os.path.join(self.create_tempdir().full_path, 'absent')
+    with self.assertRaisesRegex(sources.DataNotFoundError,
+                                'does not exist.*dataset-fashion-mnist'):
+      sources.load_dataset('idx', directory)
+
+  def test_mismatched_counts(self):
+    directory = self.create_tempdir().full_path
+    _write_idx_dir(directory, skip=('train-labels-idx1-ubyte',))
+    with open(os.path.join(directory, 'train-labels-idx1-ubyte'), 'wb') as f:
+      f.write(_idx_bytes(np.zeros(4, np.uint8)))
+    with self.assertRaisesRegex(ValueError, '5 images but 4 labels'):
+      sources.load_idx(directory)
+
+
+class RegistryTest(absltest.TestCase):
+
+  def test_names(self):
+    self.assertEqual(
+        set(sources.DATASETS),
+        {'fashion_mnist', 'idx', 'mnist', 'cifar10', 'cifar100',
+         'tfds_fashion_mnist'})
+
+  def test_unknown_dataset(self):
+    with self.assertRaisesRegex(ValueError, '--dataset.*fashion_mnist'):
+      sources.load_dataset('imagenet')
+
+  def test_idx_needs_data_dir(self):
+    with self.assertRaisesRegex(ValueError, '--data_dir'):
+      sources.load_dataset('idx')
+
+  def test_idx_and_fashion_mnist_from_dir(self):
+    directory = self.create_tempdir().full_path
+    _write_idx_dir(directory)
+    self.assertEqual(sources.load_dataset('idx', directory).name, 'idx')
+    ds = sources.load_dataset('fashion_mnist', directory)
+    self.assertEqual(ds.name, 'fashion_mnist')
+    self.assertLen(ds.train_x, 5)
+
+
+@absltest.skipUnless(os.path.isdir(sources.DEFAULT_FASHION_MNIST_DIR),
+                     'Fashion-MNIST IDX files not installed '
+                     '(apt-get install -y dataset-fashion-mnist).')
+class RealFashionMnistTest(absltest.TestCase):
+
+  def test_loads(self):
+    ds = sources.load_dataset('fashion_mnist')
+    self.assertEqual(ds.name, 'fashion_mnist')
+    self.assertEqual(ds.num_classes, 10)
+    self.assertEqual(ds.train_x.shape, (60000, 28, 28, 1))
+    self.assertEqual(ds.test_x.shape, (10000, 28, 28, 1))
+    self.assertEqual(ds.train_x.dtype, np.uint8)
+    self.assertEqual(ds.train_y.dtype, np.int32)
+    np.testing.assert_array_equal(np.bincount(ds.train_y), [6000] * 10)
+    np.testing.assert_array_equal(np.bincount(ds.test_y), [1000] * 10)
+
+
+# ----------------------------------------------------------------------------
+# TFDS sources (no TensorFlow).
+# ----------------------------------------------------------------------------
+
+
+class _BindGetitems(mock.MagicMock):
+  """MagicMock that binds an assigned `__getitems__` to itself.
+
+  `tfds.testing.mock_data` (4.9.10) assigns an unbound
+  `functools.partial(_getitems, generator=...)` as `__getitems__` of the mocked
+  ArrayRecord source; MagicMock does not bind that (non-standard) dunder, so
+  batched reads fail with "missing 1 required positional argument". Binding
+  it here makes the mock behave like the real source.
+  """
+
+  def __setattr__(self, name, value):
+    if name == '__getitems__':
+      value = functools.partial(value, self)
+    super().__setattr__(name, value)
+
+
+def _mock_tfds(tfds, num_examples):
+  source_mock = tfds.testing.PickableDataSourceMock()
+  source_mock.return_value = _BindGetitems()
+  return tfds.testing.mock_data(num_examples=num_examples,
+                                mock_array_record_data_source=source_mock)
+
+
+def _prepare_tiny_tfds(tfds, data_dir, num_train, num_test):
+  """Prepares a tiny image dataset as array_record files, without TF.
+
+  Example i has a constant image of value i and label i % 10. The builder is
+  not registered, so reading it back exercises the read-only path used for a
+  prepared directory copied from another machine.
+  """
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  class FedrobustTinyDigits(tfds.core.GeneratorBasedBuilder,
+                            skip_registration=True):
+    VERSION = tfds.core.Version('1.0.0')
+
+    def _info(self):
+      return tfds.core.DatasetInfo(
+          builder=self,
+          features=tfds.features.FeaturesDict({
+              'image': tfds.features.Image(shape=(28, 28, 1)),
+              'label': tfds.features.ClassLabel(num_classes=10),
+          }))
+
+    def _split_generators(self, dl_manager):
+      del dl_manager
+      return {'train': self._generate_examples(num_train),
+              'test': self._generate_examples(num_test)}
+
+    def _generate_examples(self, n):
+      for i in range(n):
+        # PIL images are encoded by PIL; numpy images would need TF to encode.
+        image = Image.fromarray(np.full((28, 28), i, np.uint8), mode='L')
+        yield i, {'image': image, 'label': i % 10}
+
+  builder = FedrobustTinyDigits(data_dir=data_dir, file_format='array_record')
+  builder.download_and_prepare()
+  return builder.name
+
+
+class TfdsTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    try:
+      import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      self.skipTest('tensorflow_datasets is not installed.')
+    self.tfds = tfds
+    self.tf_was_imported = 'tensorflow' in sys.modules
+
+  def tearDown(self):
+    if not self.tf_was_imported:
+      self.assertNotIn('tensorflow', sys.modules)
+    super().tearDown()
+
+  @parameterized.parameters(
+      ('mnist', 'mnist', (28, 28, 1), 10),
+      ('cifar10', 'cifar10', (32, 32, 3), 10),
+      ('cifar100', 'cifar100', (32, 32, 3), 100),
+      ('tfds_fashion_mnist', 'fashion_mnist', (28, 28, 1), 10),
+  )
+  def test_mocked(self, dataset, tfds_name, shape, num_classes):
+    with _mock_tfds(self.tfds, num_examples=7):
+      ds = sources.load_dataset(dataset, self.create_tempdir().full_path)
+    self.assertEqual(ds.name, tfds_name)
+    self.assertEqual(ds.num_classes, num_classes)
+    self.assertEqual(ds.train_x.shape, (7, *shape))
+    self.assertEqual(ds.test_x.shape, (7, *shape))
+    self.assertEqual(ds.train_x.dtype, np.uint8)
+    self.assertEqual(ds.train_y.dtype, np.int32)
+    self.assertEqual(ds.test_y.shape, (7,))
+    self.assertTrue(np.all((ds.train_y >= 0) & (ds.train_y < num_classes)))
+
+  def test_real_array_record_roundtrip(self):
+    data_dir = self.create_tempdir().full_path
+    name = _prepare_tiny_tfds(self.tfds, data_dir, num_train=23, num_test=11)
+    ds = sources.load_tfds(name, data_dir)
+    self.assertEqual(ds.num_classes, 10)
+    for x, y, n in ((ds.train_x, ds.train_y, 23), (ds.test_x, ds.test_y, 11)):
+      self.assertEqual(x.shape, (n, 28, 28, 1))
+      self.assertEqual(x.dtype, np.uint8)
+      self.assertEqual(y.dtype, np.int32)
+      ids = x[:, 0, 0, 0].astype(np.int32)
+      # Records come back shuffled by TFDS; each image is still intact.
+      np.testing.assert_array_equal(np.sort(ids), np.arange(n))
+      np.testing.assert_array_equal(x, np.broadcast_to(
+          ids[:, None, None, None], x.shape))
+      np.testing.assert_array_equal(y, ids % 10)
+
+  def test_reads_in_batches_and_without_getitems(self):
+    data_dir = self.create_tempdir().full_path
+    name = _prepare_tiny_tfds(self.tfds, data_dir, num_train=23, num_test=1)
+    source = self.tfds.data_source(name, split='train', data_dir=data_dir)
+    batched = sources._read_split(source, 'train', batch_size=5)
+    records = [source[i] for i in range(len(source))]  # list: no __getitems__
+    unbatched = sources._read_split(records, 'train', batch_size=5)
+    for a, b in zip(batched, unbatched):
+      np.testing.assert_array_equal(a, b)
+
+  def test_not_prepared(self):
+    data_dir = self.create_tempdir().full_path
+    with self.assertRaises(sources.DataNotFoundError) as cm:
+      sources.load_dataset('mnist', data_dir)
+    message = str(cm.exception)
+    self.assertIn(data_dir, message)
+    self.assertIn(f'tfds build mnist --data_dir={data_dir}', message)
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -1,0 +1,235 @@
+"""Tests for fedrobust.engine and FedAvg: masks, references, strategies."""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust import engine
+from fedrobust.engine.local import normalize_images
+from fedrobust.methods import get_method
+from fedrobust.models import Model
+from fedrobust.types import ClientOutput, FederatedData, LocalData, \
+    ServerState
+
+NUM_CLASSES = 3
+IMAGE = (2, 2, 1)
+
+
+def linear_model() -> Model:
+  """Softmax regression on 4 pixels: small enough for a NumPy reference."""
+  def init(key):
+    return {'w': 0.1 * jax.random.normal(key, (4, NUM_CLASSES)),
+            'b': jnp.zeros((NUM_CLASSES,))}
+
+  def apply(params, x):
+    return x.reshape(x.shape[0], -1) @ params['w'] + params['b'][None, :]
+
+  return Model('linear', init, apply, IMAGE, NUM_CLASSES)
+
+
+def toy_data(counts, n_max, seed=0):
+  rng = np.random.default_rng(seed)
+  k = len(counts)
+  x = rng.integers(0, 256, (k, n_max, *IMAGE), dtype=np.uint8)
+  y = rng.integers(0, NUM_CLASSES, (k, n_max)).astype(np.int32)
+  for c, n in enumerate(counts):   # loud garbage in the padding rows
+    x[c, n:] = 255
+    y[c, n:] = NUM_CLASSES - 1
+  return FederatedData(jnp.asarray(x), jnp.asarray(y),
+                       jnp.asarray(counts, jnp.int32))
+
+
+def fedavg_method(model, *, batch_size, epochs, n_max, lr=0.1, momentum=0.0,
+                  unroll=1):
+  local = engine.LocalConfig(batch_size=batch_size, num_epochs=epochs,
+                             steps_per_epoch=-(-n_max // batch_size),
+                             unroll=unroll)
+  return get_method('fedavg', model=model, local=local,
+                    optimizer=engine.sgd(learning_rate=lr,
+                                         momentum=momentum))
+
+
+class BatchPlanTest(absltest.TestCase):
+
+  def test_each_epoch_is_a_permutation_of_real_rows(self):
+    config = engine.LocalConfig(batch_size=3, num_epochs=2,
+                                steps_per_epoch=4)
+    plan = engine.make_batch_plan(jax.random.key(0), jnp.int32(7),
+                                  config=config)
+    chex.assert_shape(plan.index, (8, 3))
+    np.testing.assert_array_equal(plan.step_mask, [1, 1, 1, 0] * 2)
+    for epoch in range(2):
+      idx = np.asarray(plan.index[4 * epoch:4 * epoch + 4])
+      mask = np.asarray(plan.example_mask[4 * epoch:4 * epoch + 4])
+      self.assertEqual(sorted(idx[mask].tolist()), list(range(7)))
+    self.assertFalse(np.array_equal(plan.index[:4], plan.index[4:]))
+
+
+class MaskingTest(absltest.TestCase):
+
+  def test_padded_steps_and_examples_are_inert(self):
+    """A client padded to 20 rows trains exactly like the same 5 rows alone."""
+    model = linear_model()
+    params = model.init(jax.random.key(0))
+    padded = toy_data([5], 20)
+    exact = FederatedData(padded.x[:, :5], padded.y[:, :5], padded.count)
+    outs = []
+    for data, n_max in ((padded, 20), (exact, 5)):
+      method = fedavg_method(model, batch_size=8, epochs=2, n_max=n_max)
+      local = LocalData(data.x, data.y, jnp.int32(0), data.count[0])
+      out = jax.jit(method.client_update)(params, (), local,
+                                          jax.random.key(1), ())
+      outs.append(out.delta)
+    chex.assert_trees_all_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+  def test_masked_client_slot_is_inert(self):
+    """A masked slot holding NaN/huge updates changes nothing."""
+    model = linear_model()
+    method = fedavg_method(model, batch_size=4, epochs=1, n_max=4)
+    params = model.init(jax.random.key(0))
+    state = ServerState(jnp.int32(0), params, (), jnp.zeros(2, jnp.uint32))
+    rng = np.random.default_rng(0)
+    delta = jax.tree.map(
+        lambda p: jnp.asarray(rng.normal(size=(3, *p.shape)), jnp.float32),
+        params)
+    weight = jnp.array([3.0, 5.0, 7.0])
+    out = ClientOutput(delta, weight, (), {})
+    full, _, _ = method.server_update(state, jnp.arange(3), out,
+                                      jnp.array([True, True, True]), None, ())
+    poisoned = ClientOutput(
+        jax.tree.map(lambda d: jnp.concatenate(
+            [d, jnp.full((2, *d.shape[1:]), jnp.nan)]), delta),
+        jnp.array([3.0, 5.0, 7.0, 1e30, jnp.inf]), (), {})
+    masked, _, _ = method.server_update(
+        state, jnp.arange(5), poisoned,
+        jnp.array([True, True, True, False, False]), None, ())
+    chex.assert_trees_all_close(masked, full, rtol=1e-6)
+    chex.assert_tree_all_finite(masked)
+
+
+def numpy_fedavg_round(params, data, *, lr, epochs):
+  """Full-batch GD on softmax regression per client, then weighted mean."""
+  w0, b0 = np.asarray(params['w'], np.float64), np.asarray(params['b'],
+                                                           np.float64)
+  deltas_w, deltas_b, weights = [], [], []
+  for c, n in enumerate(np.asarray(data.count)):
+    x = (np.asarray(data.x[c, :n], np.float64).reshape(n, -1) / 255 - 0.5) / 0.5
+    onehot = np.eye(NUM_CLASSES)[np.asarray(data.y[c, :n])]
+    w, b = w0.copy(), b0.copy()
+    for _ in range(epochs):
+      z = x @ w + b
+      p = np.exp(z - z.max(1, keepdims=True))
+      p /= p.sum(1, keepdims=True)
+      g = (p - onehot) / n
+      w, b = w - lr * x.T @ g, b - lr * g.sum(0)
+    deltas_w.append(w - w0)
+    deltas_b.append(b - b0)
+    weights.append(n)
+  weights = np.asarray(weights, np.float64) / np.sum(weights)
+  return {'w': w0 + np.tensordot(weights, deltas_w, 1),
+          'b': b0 + np.tensordot(weights, deltas_b, 1)}
+
+
+class FedAvgReferenceTest(absltest.TestCase):
+
+  def test_round_matches_numpy(self):
+    model = linear_model()
+    counts, n_max = [6, 3, 8], 8
+    data = toy_data(counts, n_max)
+    method = fedavg_method(model, batch_size=n_max, epochs=3, n_max=n_max,
+                           lr=0.5)
+    state = engine.init_server_state(method, model.init(jax.random.key(0)),
+                                     3, seed=0)
+    expected = numpy_fedavg_round(state.params, data, lr=0.5, epochs=3)
+    step = engine.make_round_step(method, engine.RoundConfig(
+        num_clients=3, clients_per_round=3, strategy='vmap'))
+    new_state, metrics = jax.jit(step)(state, data, ())
+    chex.assert_trees_all_close(new_state.params, expected, rtol=1e-4,
+                                atol=1e-6)
+    self.assertEqual(float(metrics['examples']), sum(counts))
+    self.assertEqual(int(new_state.round), 1)
+
+
+class StrategyTest(parameterized.TestCase):
+  """vmap, chunked, sequential and mesh-sharded rounds agree."""
+
+  def _run(self, strategy, *, chunk_size=0, num_devices=1, rounds=2):
+    model = linear_model()
+    data = toy_data([5, 9, 2, 7, 4, 6], 9, seed=3)
+    method = fedavg_method(model, batch_size=4, epochs=2, n_max=9,
+                           momentum=0.9)
+    config = engine.RoundConfig(num_clients=6, clients_per_round=3,
+                                strategy=strategy, chunk_size=chunk_size,
+                                num_devices=num_devices)
+    mesh = engine.client_mesh(num_devices) if num_devices > 1 else None
+    step = jax.jit(engine.make_round_step(method, config, mesh=mesh))
+    state = engine.init_server_state(method, model.init(jax.random.key(0)),
+                                     6, seed=1)
+    for _ in range(rounds):
+      state, metrics = step(state, data, ())
+    return state.params, metrics
+
+  def test_strategies_agree(self):
+    ref_params, ref_metrics = self._run('vmap')
+    for strategy, chunk in (('sequential', 0), ('chunked', 2),
+                            ('chunked', 4)):
+      params, metrics = self._run(strategy, chunk_size=chunk)
+      chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(metrics['train_loss'],
+                                 ref_metrics['train_loss'], rtol=1e-5)
+
+  def test_sharded_round_matches_single_device(self):
+    if jax.device_count() < 4:
+      self.skipTest('needs 4 devices (XLA_FLAGS=--xla_force_host_platform_'
+                    'device_count=4, set by conftest.py)')
+    ref_params, ref_metrics = self._run('sequential')
+    for strategy in ('vmap', 'sequential'):
+      params, metrics = self._run(strategy, num_devices=4)
+      chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
+      self.assertEqual(float(metrics['examples']),
+                       float(ref_metrics['examples']))
+
+  def test_no_retrace_across_rounds(self):
+    model = linear_model()
+    data = toy_data([5, 9, 2, 7], 9)
+    method = fedavg_method(model, batch_size=4, epochs=1, n_max=9)
+    round_step = engine.make_round_step(method, engine.RoundConfig(
+        num_clients=4, clients_per_round=2, strategy='sequential'))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    @chex.assert_max_traces(n=1)
+    def step(state, data):
+      return round_step(state, data, ())
+
+    state = engine.init_server_state(method, model.init(jax.random.key(0)),
+                                     4, seed=0)
+    seen = set()
+    for _ in range(4):
+      state, _ = step(state, data)
+      seen.add(int(state.round))
+    self.assertEqual(seen, {1, 2, 3, 4})
+
+  def test_sampling(self):
+    config = engine.RoundConfig(num_clients=10, clients_per_round=3,
+                                strategy='vmap', num_devices=4)
+    ids, mask = engine.sample_clients(jax.random.key(0), config)
+    np.testing.assert_array_equal(mask, [1, 1, 1, 0])
+    real = np.asarray(ids[:3])
+    self.assertEqual(len(set(real.tolist())), 3)
+    self.assertTrue(np.all(np.diff(real) > 0))
+    self.assertTrue(np.all((real >= 0) & (real < 10)))
+
+  def test_bad_strategy_names_flag(self):
+    with self.assertRaisesRegex(ValueError, '--client_execution'):
+      engine.make_round_step(None, engine.RoundConfig(4, 2, 'pmap'))
+    with self.assertRaisesRegex(ValueError, '--clients_per_round'):
+      engine.make_round_step(None, engine.RoundConfig(4, 5, 'vmap'))
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -1,0 +1,207 @@
+"""End-to-end tests of experiments/ on tiny real-format (IDX) data."""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl.testing import absltest
+import numpy as np
+
+from experiments import train
+from fedrobust.checkpoint import Checkpointer
+from fedrobust.data import DataNotFoundError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_idx(directory, *, num_train=600, num_test=100, seed=0):
+  """Writes a learnable 10-class 28x28 dataset as the four IDX .gz files."""
+  rng = np.random.default_rng(seed)
+  prototypes = rng.integers(0, 256, (10, 28, 28))
+  for prefix, n in (('train', num_train), ('t10k', num_test)):
+    labels = rng.integers(0, 10, n).astype(np.uint8)
+    noise = rng.integers(-40, 40, (n, 28, 28))
+    images = np.clip(prototypes[labels] + noise, 0, 255).astype(np.uint8)
+    with gzip.open(os.path.join(directory, f'{prefix}-images-idx3-ubyte.gz'),
+                   'wb') as f:
+      f.write(np.array([0, 0, 8, 3], np.uint8).tobytes())
+      f.write(np.array([n, 28, 28], '>i4').tobytes() + images.tobytes())
+    with gzip.open(os.path.join(directory, f'{prefix}-labels-idx1-ubyte.gz'),
+                   'wb') as f:
+      f.write(np.array([0, 0, 8, 1], np.uint8).tobytes())
+      f.write(np.array([n], '>i4').tobytes() + labels.tobytes())
+
+
+def base_config(data_dir, workdir, **overrides):
+  config = dict(
+      method='fedavg', dataset='idx', data_dir=data_dir, model='mlp',
+      num_clients=4, clients_per_round=3, partition='dirichlet',
+      dirichlet_alpha=0.5, classes_per_client=2, quantity_alpha=0.5,
+      validation_fraction=0.0, validation_size=0, public_size=0,
+      local_test_fraction=0.2, max_train_examples=0, num_rounds=2,
+      local_epochs=1, batch_size=32, local_lr=0.05, momentum=0.9,
+      weight_decay=1e-5, server_lr=1.0, fedprox_mu=0.0, eval_every=1,
+      eval_batch_size=50, checkpoint_every=1, checkpoints_keep=2, seed=0,
+      workdir=workdir, client_execution='auto', chunk_size=0,
+      scan_unroll=1, conv_impl='auto', num_devices=1, overwrite=False)
+  assert set(config) == set(train.CONFIG_KEYS)
+  config.update(overrides)
+  return config
+
+
+def flags_for(config):
+  args = []
+  for key, value in config.items():
+    if isinstance(value, bool):
+      args.append(f'--{key}' if value else f'--no{key}')
+    else:
+      args.append(f'--{key}={value}')
+  return args
+
+
+class EndToEndTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls._tmp = tempfile.TemporaryDirectory()
+    cls.data_dir = cls._tmp.name
+    write_idx(cls.data_dir)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls._tmp.cleanup()
+    super().tearDownClass()
+
+  def test_two_round_smoke_and_outputs(self):
+    workdir = self.create_tempdir().full_path
+    summary = train.run(base_config(self.data_dir, workdir))
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertEqual([r['round'] for r in rows], [1, 2])
+    for key in ('test_accuracy', 'test_loss', 'local_accuracy',
+                'round_seconds', 'samples_per_second'):
+      self.assertIn(key, rows[-1])
+      self.assertTrue(np.isfinite(rows[-1][key]), key)
+    self.assertGreater(rows[-1]['test_accuracy'], 0.3)   # learnable data
+    for name in ('summary.json', 'curves.png', 'config.json',
+                 'client_histograms.json'):
+      self.assertTrue(os.path.exists(os.path.join(workdir, name)), name)
+    self.assertLen(summary['params_sha256'], 64)
+    self.assertIn('jax', summary['packages'])
+    self.assertEqual(summary['device']['backend'], 'cpu')
+    with open(os.path.join(workdir, 'client_histograms.json')) as f:
+      hist = json.load(f)
+    self.assertEqual(np.sum(hist['histograms']), np.sum(hist['train_counts']))
+
+  def test_resume_is_exact_and_more_rounds_continue(self):
+    straight = self.create_tempdir().full_path
+    split = self.create_tempdir().full_path
+    full = train.run(base_config(self.data_dir, straight, num_rounds=4,
+                                 checkpoint_every=4))
+    train.run(base_config(self.data_dir, split, num_rounds=2))
+    resumed = train.run(base_config(self.data_dir, split, num_rounds=4))
+    self.assertEqual(resumed['params_sha256'], full['params_sha256'])
+    self.assertEqual(resumed['rounds_completed'], 4)
+    with open(os.path.join(split, 'metrics.jsonl')) as f:
+      self.assertEqual([json.loads(l)['round'] for l in f], [1, 2, 3, 4])
+
+  def test_changed_config_is_refused_unless_overwrite(self):
+    workdir = self.create_tempdir().full_path
+    train.run(base_config(self.data_dir, workdir, num_rounds=1))
+    with self.assertRaisesRegex(train.ConfigMismatchError,
+                                r'--local_lr \(was 0.05, now 0.1\).*'
+                                r'--overwrite'):
+      train.run(base_config(self.data_dir, workdir, num_rounds=1,
+                            local_lr=0.1))
+    summary = train.run(base_config(self.data_dir, workdir, num_rounds=1,
+                                    local_lr=0.1, overwrite=True))
+    self.assertEqual(summary['config']['local_lr'], 0.1)
+
+  def test_missing_data_and_bad_flags(self):
+    missing = self.create_tempdir().full_path
+    with self.assertRaisesRegex(DataNotFoundError, missing):
+      train.run(base_config(missing, self.create_tempdir().full_path))
+    bad = {
+        'clients_per_round': (7, '--clients_per_round'),
+        'fedprox_mu': (0.1, '--fedprox_mu'),
+        'local_lr': (0.0, '--local_lr'),
+        'num_rounds': (0, '--num_rounds'),
+        'chunk_size': (4, '--chunk_size'),
+    }
+    for key, (value, pattern) in bad.items():
+      with self.assertRaisesRegex(ValueError, pattern):
+        train.run(base_config(self.data_dir, self.create_tempdir().full_path,
+                              **{key: value}))
+    with self.assertRaisesRegex(ValueError, '--method'):
+      train.run(base_config(self.data_dir, self.create_tempdir().full_path,
+                            method='fedsgd'))
+
+  def test_cli_rejects_unknown_names(self):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'experiments', 'main.py'),
+         '--method=nope'], capture_output=True, text=True, timeout=120)
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertIn('--method', proc.stderr)
+    self.assertIn('fedavg', proc.stderr)
+
+  def test_kill_dash_nine_then_resume_is_bitwise_exact(self):
+    config = base_config(self.data_dir, self.create_tempdir().full_path,
+                         num_rounds=150, eval_every=50, local_epochs=2)
+    reference = train.run(dict(config, checkpoint_every=150))
+    workdir = self.create_tempdir().full_path
+    cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'main.py')]
+    cmd += flags_for(dict(config, workdir=workdir))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=ROOT)
+    ckpt = os.path.join(workdir, 'checkpoints')
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+      steps = [int(s) for s in os.listdir(ckpt) if s.isdigit()] if (
+          os.path.isdir(ckpt)) else []
+      if steps and max(steps) >= 5:
+        break
+      time.sleep(0.02)
+    self.assertIsNone(proc.poll(), 'run finished before it could be killed')
+    os.kill(proc.pid, signal.SIGKILL)
+    self.assertEqual(proc.wait(), -signal.SIGKILL)
+    killed_at = max(int(s) for s in os.listdir(ckpt) if s.isdigit())
+    self.assertLess(killed_at, 150)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+    with open(os.path.join(workdir, 'summary.json')) as f:
+      resumed = json.load(f)
+    self.assertEqual(resumed['params_sha256'], reference['params_sha256'])
+
+
+class CheckpointerTest(absltest.TestCase):
+
+  def test_broken_latest_step_falls_back(self):
+    directory = self.create_tempdir().full_path
+    ckpt = Checkpointer(directory, keep=2)
+    state = {'w': np.arange(4.0, dtype=np.float32)}
+    for step in (1, 2, 3):
+      ckpt.save(step, {'w': state['w'] * step})
+    self.assertEqual(ckpt.steps(), [2, 3])
+    ckpt.close()
+    # Simulate a half-deleted step: its data gone, its directory listed.
+    for root, _, files in os.walk(os.path.join(directory, '3')):
+      for name in files:
+        if name != '_CHECKPOINT_METADATA':
+          os.remove(os.path.join(root, name))
+    ckpt = Checkpointer(directory, keep=2)
+    step, restored = ckpt.restore_latest(state)
+    self.assertEqual(step, 2)
+    np.testing.assert_array_equal(restored['w'], state['w'] * 2)
+    self.assertEqual(ckpt.steps(), [2])
+    ckpt.close()
+
+
+if __name__ == '__main__':
+  absltest.main()

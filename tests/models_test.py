@@ -1,0 +1,73 @@
+"""Tests for fedrobust.models: registry, shapes, conv lowerings agree."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust import models
+from fedrobust.models import layers
+
+
+class ConvTest(parameterized.TestCase):
+
+  @parameterized.parameters(('VALID', 5), ('SAME', 5), ('SAME', 3))
+  def test_im2col_matches_xla(self, padding, size):
+    kx, kk = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (2, 9, 8, 3))
+    kernel = jax.random.normal(kk, (size, size, 3, 4))
+    ref = layers.conv2d(x, kernel, padding=padding, impl='xla')
+    out = layers.conv2d(x, kernel, padding=padding, impl='im2col')
+    chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-5)
+
+  def test_max_pool_matches_numpy(self):
+    x = np.random.default_rng(0).normal(size=(2, 5, 4, 3)).astype(np.float32)
+    ref = x[:, :4, :4].reshape(2, 2, 2, 2, 2, 3).max(axis=(2, 4))
+    np.testing.assert_array_equal(layers.max_pool_2x2(jnp.asarray(x)), ref)
+
+  def test_unknown_impl(self):
+    with self.assertRaisesRegex(ValueError, 'conv impl'):
+      layers.conv2d(jnp.zeros((1, 4, 4, 1)), jnp.zeros((3, 3, 1, 1)),
+                    padding='SAME', impl='fft')
+
+
+class RegistryTest(parameterized.TestCase):
+
+  @parameterized.parameters(*sorted(models.MODELS))
+  def test_init_apply_shapes(self, name):
+    model = models.get_model(name, num_classes=10, input_shape=(28, 28, 1))
+    params = model.init(jax.random.key(0))
+    logits = jax.jit(model.apply)(params, jnp.zeros((3, 28, 28, 1)))
+    chex.assert_shape(logits, (3, 10))
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_tree_all_finite(logits)
+
+  def test_impls_share_params_and_outputs(self):
+    xla = models.get_model('simple_cnn', num_classes=10,
+                           input_shape=(28, 28, 1), conv_impl='xla')
+    col = models.get_model('simple_cnn', num_classes=10,
+                           input_shape=(28, 28, 1), conv_impl='im2col')
+    params = xla.init(jax.random.key(1))
+    chex.assert_trees_all_equal_shapes(params, col.init(jax.random.key(1)))
+    x = jax.random.normal(jax.random.key(2), (4, 28, 28, 1))
+    chex.assert_trees_all_close(col.apply(params, x), xla.apply(params, x),
+                                rtol=1e-4, atol=1e-4)
+
+  def test_simple_cnn_layout(self):
+    model = models.get_model('simple_cnn', num_classes=10,
+                             input_shape=(28, 28, 1))
+    params = model.init(jax.random.key(0))
+    shapes = [leaf.shape for leaf in jax.tree.leaves(
+        {k: params[k]['kernel'] for k in params})]
+    self.assertEqual(shapes, [(5, 5, 1, 6), (5, 5, 6, 16), (256, 120),
+                              (120, 84), (84, 84), (84, 256), (256, 10)])
+
+  def test_unknown_model_names_flag(self):
+    with self.assertRaisesRegex(ValueError, '--model=.*simple_cnn'):
+      models.get_model('resnet9000', num_classes=10, input_shape=(28, 28, 1))
+
+
+if __name__ == '__main__':
+  absltest.main()
