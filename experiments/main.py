@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import train
+from fedrobust.aggregators import AGGREGATORS
+from fedrobust.attacks import ATTACKS
 from fedrobust.data import DATASETS, PARTITIONERS
 from fedrobust.engine.execution import STRATEGIES
 from fedrobust.methods import METHODS
@@ -47,14 +49,14 @@ flags.DEFINE_integer('validation_size', 0, 'Clean server validation samples '
                      'drawn from the reserve (SDFC: 256).')
 flags.DEFINE_integer('public_size', 0, 'Public/anchor examples carved from '
                      'the training split (distillation methods).')
-flags.DEFINE_float('local_test_fraction', 0.2, "Share of each client's data "
-                   'kept as its local test split (Horus: 0.2).')
+flags.DEFINE_float('local_test_fraction', 0.1, "Share of each client's data "
+                   'kept as its local test split (Horus uses 0.2).')
 flags.DEFINE_integer('max_train_examples', 0, 'Subsample the training split '
                      '(0: use all).')
 flags.DEFINE_integer('num_rounds', 20, 'Communication rounds.')
 flags.DEFINE_integer('local_epochs', 1, 'Local epochs per round.')
 flags.DEFINE_integer('batch_size', 64, 'Local batch size.')
-flags.DEFINE_float('local_lr', 0.01, 'Client SGD learning rate.')
+flags.DEFINE_float('local_lr', 0.02, 'Client SGD learning rate.')
 flags.DEFINE_float('momentum', 0.9, 'Client SGD momentum.')
 flags.DEFINE_float('weight_decay', 1e-5, 'Client SGD weight decay.')
 flags.DEFINE_float('server_lr', 1.0, 'Server step on the aggregated delta.')
@@ -79,6 +81,41 @@ flags.DEFINE_enum('conv_impl', 'auto', ('auto',) + CONV_IMPLS,
                   'Convolution lowering; auto picks per backend.')
 flags.DEFINE_integer('num_devices', 0, 'Devices the client axis is sharded '
                      'over (0: all local devices).')
+# Threat model and robust aggregation.
+flags.DEFINE_enum('aggregator', 'weighted_mean',
+                  ['weighted_mean'] + sorted(AGGREGATORS),
+                  'Server aggregation rule (weighted_mean: FedAvg by client '
+                  'size).')
+flags.DEFINE_string('aggregator_kwargs', '{}', 'JSON object of extra '
+                    'aggregator settings, e.g. {"m": 5}.')
+flags.DEFINE_integer('num_byzantine', -1, 'f the aggregator tolerates (-1: '
+                     'the expected attackers among the sampled clients).')
+flags.DEFINE_enum('attack', 'none', ['none'] + sorted(ATTACKS),
+                  'Attack run by the malicious clients.')
+flags.DEFINE_string('attack_kwargs', '{}', 'JSON object of extra attack '
+                    'settings, e.g. {"direction": "sign"}.')
+flags.DEFINE_float('malicious_fraction', 0.0, 'Share of clients that are '
+                   'malicious.')
+flags.DEFINE_boolean('resample_malicious', False, 'Draw the malicious set '
+                     'afresh every round instead of fixing it.')
+flags.DEFINE_integer('attack_start_round', 1, 'First round attackers act '
+                     '(Horus: 20).')
+flags.DEFINE_enum('attacker_knowledge', 'benign_stats',
+                  ['benign_stats', 'own_updates_only'],
+                  'What model-poisoning attackers may read.')
+flags.DEFINE_integer('backdoor_target_label', 2, 'Backdoor / targeted-flip '
+                     'target class.')
+flags.DEFINE_enum('trigger_location', 'top_left',
+                  ['top_left', 'top_right', 'bottom_left', 'bottom_right',
+                   'center'], 'Where the BadNets/DBA trigger sits.')
+flags.DEFINE_string('trigger_size', '2x6', 'Trigger HxW in pixels.')
+flags.DEFINE_integer('trigger_value', 255, 'Trigger pixel value.')
+flags.DEFINE_float('poison_fraction', 0.5, "Share of a malicious client's "
+                   'data that is poisoned.')
+flags.DEFINE_integer('flip_source_label', -1, 'Label flip: -1 flips every '
+                     'label y -> classes-1-y; >= 0 flips this class to '
+                     '--backdoor_target_label.')
+flags.DEFINE_float('blend_alpha', 0.2, 'Blended-trigger opacity.')
 flags.DEFINE_boolean('overwrite', False, 'Discard an existing run in '
                      '--workdir whose config differs.')
 

@@ -34,6 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fedrobust.checkpoint import Checkpointer
 from fedrobust.data import (DataNotFoundError, build_federated_setup,
                             load_dataset, subsample)
+from experiments.threat import build_threat
+from fedrobust.engine.evaluate import pad_to_batches
 from fedrobust.engine import (LocalConfig, RoundConfig, client_mesh,
                               default_strategy, evaluate, evaluate_clients,
                               init_server_state, make_round_step, sgd)
@@ -48,7 +50,23 @@ CONFIG_KEYS = (
     'batch_size', 'local_lr', 'momentum', 'weight_decay', 'server_lr',
     'fedprox_mu', 'eval_every', 'eval_batch_size', 'checkpoint_every',
     'checkpoints_keep', 'seed', 'workdir', 'client_execution', 'chunk_size',
-    'scan_unroll', 'conv_impl', 'num_devices', 'overwrite')
+    'scan_unroll', 'conv_impl', 'num_devices', 'overwrite',
+    'aggregator', 'aggregator_kwargs', 'num_byzantine', 'attack',
+    'attack_kwargs', 'malicious_fraction', 'resample_malicious',
+    'attack_start_round', 'attacker_knowledge', 'backdoor_target_label',
+    'trigger_location', 'trigger_size', 'trigger_value', 'poison_fraction',
+    'flip_source_label', 'blend_alpha')
+
+# Defaults of the threat-model keys, so runs saved before they existed
+# resume (a missing key compares equal to its default).
+THREAT_DEFAULTS = {
+    'aggregator': 'weighted_mean', 'aggregator_kwargs': '{}',
+    'num_byzantine': -1, 'attack': 'none', 'attack_kwargs': '{}',
+    'malicious_fraction': 0.0, 'resample_malicious': False,
+    'attack_start_round': 1, 'attacker_knowledge': 'benign_stats',
+    'backdoor_target_label': 2, 'trigger_location': 'top_left',
+    'trigger_size': '2x6', 'trigger_value': 255, 'poison_fraction': 0.5,
+    'flip_source_label': -1, 'blend_alpha': 0.2}
 
 # Changing these on resume is not a config change.
 RESUMABLE_KEYS = frozenset({
@@ -108,6 +126,21 @@ def validate(config: dict[str, Any]) -> None:
                      'four IDX files)')
 
 
+def _json_number(value: Any) -> float | None:
+  value = float(value)
+  return value if np.isfinite(value) else None
+
+
+def detection_rates(counts: dict[str, Any], prefix: str) -> dict[str, Any]:
+  """Precision, recall and FPR of 'excluded' vs 'malicious' (NaN if 0/0)."""
+  tp, fp, fn, tn = (float(counts[k]) for k in ('det_tp', 'det_fp', 'det_fn',
+                                               'det_tn'))
+  div = lambda a, b: a / b if b else float('nan')
+  return {f'{prefix}detection_precision': div(tp, tp + fp),
+          f'{prefix}detection_recall': div(tp, tp + fn),
+          f'{prefix}detection_fpr': div(fp, fp + tn)}
+
+
 def params_sha256(params: Any) -> str:
   digest = hashlib.sha256()
   for leaf in jax.tree.leaves(params):
@@ -150,7 +183,8 @@ def prepare_workdir(config: dict[str, Any]) -> None:
       saved = json.load(f)
     differ = sorted(k for k in set(saved) | set(config)
                     if k not in RESUMABLE_KEYS | EXECUTION_KEYS
-                    and saved.get(k) != config.get(k))
+                    and saved.get(k, THREAT_DEFAULTS.get(k)) !=
+                    config.get(k, THREAT_DEFAULTS.get(k)))
     if differ and not config['overwrite']:
       details = ', '.join(f'--{k} (was {saved.get(k)!r}, now '
                           f'{config.get(k)!r})' for k in differ)
@@ -272,20 +306,31 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
   optimizer = sgd(learning_rate=config['local_lr'],
                   momentum=config['momentum'],
                   weight_decay=config['weight_decay'])
+  threat = build_threat(
+      config, num_classes=setup.num_classes, input_shape=setup.input_shape,
+      test_x=dataset.test_x, test_y=dataset.test_y,
+      validation=(setup.validation_x, setup.validation_y),
+      apply_fn=model.apply)
   method = get_method(config['method'], model=model, local=local,
                       optimizer=optimizer, server_lr=config['server_lr'],
-                      proximal_mu=config['fedprox_mu'])
+                      proximal_mu=config['fedprox_mu'],
+                      aggregator=threat.aggregator, poison=threat.poison)
   round_config = RoundConfig(
       num_clients=config['num_clients'],
       clients_per_round=config['clients_per_round'], strategy=strategy,
       chunk_size=chunk_size, num_devices=num_devices if mesh else 1)
-  round_step = make_round_step(method, round_config, mesh=mesh)
+  round_step = make_round_step(method, round_config, mesh=mesh,
+                               threat=threat.threat)
 
   replicated = NamedSharding(mesh, P()) if mesh else None
   put = functools.partial(jax.device_put, device=replicated)
   data = put(jax.tree.map(jnp.asarray, setup.train))
   test = put(tuple(map(jnp.asarray, setup.test)))
   local_test = put(tuple(map(jnp.asarray, setup.local_test)))
+  triggered = None
+  if threat.triggered_test is not None:
+    triggered = put(tuple(map(jnp.asarray, pad_to_batches(
+        *threat.triggered_test, config['eval_batch_size']))))
   server_data = ()
 
   init_key = jax.random.key(config['seed'])
@@ -316,11 +361,23 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
 
   num_rounds = config['num_rounds']
   round_times = []
+  # Cumulative detection counts continue from the last logged row (exact on
+  # resume when --checkpoint_every is a multiple of --eval_every).
+  detection_totals = {k: (rows[-1].get('cumulative_' + k, 0.0) if rows
+                          else 0.0)
+                      for k in ('det_tp', 'det_fp', 'det_fn', 'det_tn')}
   for rnd in range(start_round + 1, num_rounds + 1):
     t0 = time.perf_counter()
     state, metrics = compiled(state, data, server_data)
     metrics = jax.device_get(metrics)
     seconds = time.perf_counter() - t0
+    if 'det_tp' in metrics and threat.threat is not None:
+      for key in detection_totals:
+        detection_totals[key] += float(metrics[key])
+      metrics.update(detection_rates(metrics, ''))
+      metrics.update(detection_rates(detection_totals, 'cumulative_'))
+      metrics.update({'cumulative_' + k: v
+                      for k, v in detection_totals.items()})
     round_times.append(seconds)
     samples = float(metrics['examples']) * config['local_epochs']
     line = (f"round {rnd}/{num_rounds} train_loss "
@@ -339,7 +396,12 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
           'round_seconds': seconds,
           'samples_per_second': samples / seconds,
       }
-      row.update({k: float(v) for k, v in metrics.items()})
+      row.update({k: _json_number(v) for k, v in metrics.items()})
+      if triggered is not None:
+        asr = float(eval_fn(state.params, *triggered)['accuracy'])
+        row['attack_success_rate'] = asr
+        row['backdoor_failure_rate'] = 1.0 - asr
+        row['tradeoff_v'] = (row['test_accuracy'] + 1.0 - asr) / 2
       rows.append(row)
       with open(metrics_path, 'a') as f:
         f.write(json.dumps(row) + '\n')

@@ -30,6 +30,8 @@ class LocalData(NamedTuple):
   y: jax.Array          # int32[K, N]
   client_id: jax.Array  # int32[]
   count: jax.Array      # int32[]
+  is_malicious: jax.Array | bool = False  # bool[], attacking this round
+  attacker_rank: jax.Array | int = 0      # int32[], rank among attackers
 
 
 class BatchPlan(NamedTuple):

@@ -48,7 +48,8 @@ def base_config(data_dir, workdir, **overrides):
       weight_decay=1e-5, server_lr=1.0, fedprox_mu=0.0, eval_every=1,
       eval_batch_size=50, checkpoint_every=1, checkpoints_keep=2, seed=0,
       workdir=workdir, client_execution='auto', chunk_size=0,
-      scan_unroll=1, conv_impl='auto', num_devices=1, overwrite=False)
+      scan_unroll=1, conv_impl='auto', num_devices=1, overwrite=False,
+      **train.THREAT_DEFAULTS)
   assert set(config) == set(train.CONFIG_KEYS)
   config.update(overrides)
   return config
@@ -141,6 +142,46 @@ class EndToEndTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, '--method'):
       train.run(base_config(self.data_dir, self.create_tempdir().full_path,
                             method='fedsgd'))
+
+  def test_backdoor_round_reports_attack_and_detection(self):
+    workdir = self.create_tempdir().full_path
+    train.run(base_config(self.data_dir, workdir, num_clients=8,
+                          clients_per_round=0, attack='badnets',
+                          malicious_fraction=0.25, aggregator='krum',
+                          num_rounds=2))
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      rows = [json.loads(line) for line in f]
+    last = rows[-1]
+    self.assertEqual(last['num_attacking'], 2.0)
+    for key in ('attack_success_rate', 'backdoor_failure_rate', 'tradeoff_v',
+                'detection_precision', 'detection_recall', 'detection_fpr',
+                'cumulative_detection_recall', 'weight_malicious',
+                'weight_benign'):
+      self.assertIn(key, last)
+    self.assertAlmostEqual(last['backdoor_failure_rate'],
+                           1 - last['attack_success_rate'])
+    # Krum keeps one client, so it excludes 7 of 8 every round.
+    self.assertEqual(last['det_tp'] + last['det_fp'], 7.0)
+    self.assertEqual(last['cumulative_det_tp'] + last['cumulative_det_fp'],
+                     14.0)
+
+  def test_threat_validation_names_flags(self):
+    cases = [
+        (dict(aggregator='krum', num_byzantine=1, num_clients=4,
+              clients_per_round=4), '2f\\+3'),
+        (dict(aggregator='bulyan', num_byzantine=1, num_clients=6,
+              clients_per_round=0), '4f\\+3'),
+        (dict(aggregator='trimmed_mean', num_byzantine=2, num_clients=4,
+              clients_per_round=0), '--aggregator=trimmed_mean'),
+        (dict(attack='lie', malicious_fraction=0.25,
+              attacker_knowledge='own_updates_only'), 'benign statistics'),
+        (dict(attack='badnets'), '--malicious_fraction'),
+        (dict(aggregator='fltrust'), '--validation_size'),
+    ]
+    for overrides, pattern in cases:
+      with self.assertRaisesRegex(ValueError, pattern):
+        train.run(base_config(self.data_dir, self.create_tempdir().full_path,
+                              **overrides))
 
   def test_cli_rejects_unknown_names(self):
     proc = subprocess.run(

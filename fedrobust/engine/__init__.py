@@ -6,5 +6,6 @@ from fedrobust.engine.execution import (STRATEGIES, client_mesh,
                                         run_clients)
 from fedrobust.engine.local import (LocalConfig, classification_loss,
                                     make_batch_plan, sgd, train_steps)
-from fedrobust.engine.round import (Method, RoundConfig, init_server_state,
+from fedrobust.engine.round import (Method, RoundConfig, Threat,
+                                    init_server_state,
                                     make_round_step, sample_clients)

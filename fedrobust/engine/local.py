@@ -110,10 +110,23 @@ def classification_loss(apply_fn: Callable, *, image_mean: float = 0.5,
   return loss_fn
 
 
+def poisoned_batch(data: LocalData, rows: jax.Array,
+                   poison: Any | None) -> tuple[jax.Array, jax.Array]:
+  """gather_batch, then the data poison if this client is malicious."""
+  x, y = gather_batch(data, rows)
+  if poison is None:
+    return x, y
+  px, py = poison.apply(x, y, rows, data.count, data.attacker_rank)
+  return (jnp.where(data.is_malicious, px, x),
+          jnp.where(data.is_malicious, py, y))
+
+
 def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
                 plan: BatchPlan, key: jax.Array, *,
                 optimizer: optax.GradientTransformation,
-                config: LocalConfig) -> tuple[Params, dict[str, jax.Array]]:
+                config: LocalConfig,
+                poison: Any | None = None
+                ) -> tuple[Params, dict[str, jax.Array]]:
   """Runs the plan's S steps of `optimizer` on ONE client.
 
   Args:
@@ -124,6 +137,8 @@ def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
     key: PRNG key passed to loss_fn, split per step.
     optimizer: a fresh optimizer state is created from `params`.
     config: static settings (unroll).
+    poison: optional attacks.data_poisoning.DataPoison, applied to the
+      batches when data.is_malicious.
 
   Returns:
     (final params, metrics averaged over the real steps).
@@ -141,7 +156,7 @@ def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
     rows, ex_mask, live, k = inputs
 
     def run(p, o):
-      x, y = gather_batch(data, rows)
+      x, y = poisoned_batch(data, rows, poison)
       (_, aux), grads = grad_fn(p, x, y, ex_mask, k)
       updates, o2 = optimizer.update(grads, o, p)
       return optax.apply_updates(p, updates), o2, aux

@@ -7,8 +7,10 @@ round_step(state, data, server_data) -> (state, metrics):
   3. hand the stacked outputs and the mask to the method's server_update;
   4. advance the round counter and the PRNG key.
 
-Attacks (model poisoning) and detection plug in between 2 and 3, on the
-stacked outputs.
+With a Threat, the round also marks this round's attacking slots (data
+poisoning happens inside their local training) and applies the model
+attack to the stacked deltas between 2 and 3. Aggregators report
+info['weights'] [C]; the round turns them into detection counts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from fedrobust.engine.execution import run_clients, validate_strategy
+from fedrobust.tree import ravel_clients, unravel_like
 from fedrobust.types import ClientOutput, FederatedData, LocalData, ServerState
 
 Params = Any
@@ -43,6 +46,24 @@ class Method(NamedTuple):
   client_state: Callable[[PyTree, jax.Array], PyTree]
   client_update: Callable[..., ClientOutput]
   server_update: Callable[..., tuple[Params, PyTree, dict[str, jax.Array]]]
+
+
+class Threat(NamedTuple):
+  """Who attacks, from when, and how updates are poisoned.
+
+  malicious: bool[K] fixed malicious set, or None to draw `num_malicious`
+    clients afresh every round from the round key.
+  start_round: first (1-based) round in which attackers act; before it
+    they behave honestly.
+  model_attack: optional apply(updates float[C, D], is_malicious bool[C],
+    mask bool[C], key) -> float[C, D] on the raveled client deltas.
+  Data poisoning is the method's business: client_update sees
+  LocalData.is_malicious and LocalData.attacker_rank.
+  """
+  malicious: jax.Array | None = None
+  num_malicious: int = 0
+  start_round: int = 1
+  model_attack: Callable | None = None
 
 
 class RoundConfig(NamedTuple):
@@ -102,8 +123,38 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def malicious_slots(key: jax.Array, ids: jax.Array, mask: jax.Array,
+                    threat: Threat, num_clients: int, round_number: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+  """bool[C] attacking this round, int32[C] rank among the attackers."""
+  if threat.malicious is not None:
+    is_mal = threat.malicious[ids]
+    # Rank by client id, so a client keeps its rank (DBA piece) every round.
+    rank = jnp.cumsum(threat.malicious)[ids] - 1
+  else:
+    chosen = jnp.zeros(num_clients, bool).at[
+        jax.random.permutation(key, num_clients)[:threat.num_malicious]
+    ].set(True)
+    is_mal = chosen[ids]
+    rank = jnp.cumsum(is_mal) - 1
+  is_mal = is_mal & mask & (round_number >= threat.start_round)
+  return is_mal, jnp.maximum(rank, 0).astype(jnp.int32)
+
+
+def detection_counts(weights: jax.Array, is_mal: jax.Array,
+                     mask: jax.Array) -> dict[str, jax.Array]:
+  """Confusion counts of 'excluded' (weight 0) against 'malicious'."""
+  flagged = (weights <= 0) & mask
+  f32 = lambda b: jnp.sum(b).astype(jnp.float32)
+  return {'det_tp': f32(flagged & is_mal), 'det_fp': f32(flagged & ~is_mal &
+                                                          mask),
+          'det_fn': f32(~flagged & is_mal), 'det_tn': f32(~flagged & ~is_mal
+                                                          & mask)}
+
+
 def make_round_step(method: Method, config: RoundConfig, *,
-                    mesh: Mesh | None = None) -> Callable:
+                    mesh: Mesh | None = None,
+                    threat: Threat | None = None) -> Callable:
   """Builds round_step(state, data, server_data) -> (state, metrics).
 
   Args:
@@ -111,6 +162,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
     config: static round settings.
     mesh: optional mesh with a 'clients' axis; config.num_devices must be
       its size.
+    threat: optional attackers (see Threat).
 
   Returns:
     A pure function; jit it with donate_argnums=0.
@@ -121,31 +173,52 @@ def make_round_step(method: Method, config: RoundConfig, *,
                      f'{config.num_devices}')
 
   def one_client(per_client, shared):
-    client_id, key_data, client_state = per_client
+    client_id, key_data, client_state, is_mal, rank = per_client
     params, data, server_data = shared
-    local = LocalData(data.x, data.y, client_id, data.count[client_id])
+    local = LocalData(data.x, data.y, client_id, data.count[client_id],
+                      is_mal, rank)
     key = jax.random.wrap_key_data(key_data)
     return method.client_update(params, client_state, local, key, server_data)
 
   def round_step(state: ServerState, data: FederatedData,
                  server_data: PyTree = ()):
     key = jax.random.wrap_key_data(state.key)
-    key, sample_key, client_key, server_key = jax.random.split(key, 4)
+    (key, sample_key, client_key, server_key, threat_key,
+     attack_key) = jax.random.split(key, 6)
     ids, mask = sample_clients(sample_key, config)
+    if threat is None:
+      is_mal = jnp.zeros(ids.shape, bool)
+      rank = jnp.zeros(ids.shape, jnp.int32)
+    else:
+      is_mal, rank = malicious_slots(threat_key, ids, mask, threat,
+                                     config.num_clients, state.round + 1)
     # A client's key depends on its id and the round, never on its slot.
     keys = jax.vmap(lambda i: jax.random.key_data(
         jax.random.fold_in(client_key, i)))(ids)
     client_state = method.client_state(state.method_state, ids)
-    outputs = run_clients(one_client, (ids, keys, client_state),
+    outputs = run_clients(one_client, (ids, keys, client_state, is_mal, rank),
                           (state.params, data, server_data),
                           strategy=config.strategy,
                           chunk_size=config.chunk_size, mesh=mesh)
+    if threat is not None and threat.model_attack is not None:
+      flat = ravel_clients(outputs.delta)
+      attacked = threat.model_attack(flat, is_mal, mask, attack_key)
+      like = jax.tree.map(lambda leaf: leaf[0], outputs.delta)
+      outputs = outputs._replace(delta=jax.vmap(
+          lambda row: unravel_like(row, like))(attacked))
     params, method_state, info = method.server_update(
         state, ids, outputs, mask, server_key, server_data)
     metrics = {name: masked_mean(v, mask)
                for name, v in outputs.metrics.items()}
     metrics['examples'] = jnp.sum(jnp.where(mask, outputs.weight, 0.0))
-    metrics.update(info)
+    metrics['num_attacking'] = jnp.sum(is_mal).astype(jnp.float32)
+    info = dict(info)
+    weights = info.pop('weights', None)
+    if weights is not None:
+      metrics.update(detection_counts(weights, is_mal, mask))
+      metrics['weight_malicious'] = masked_mean(weights, is_mal)
+      metrics['weight_benign'] = masked_mean(weights, mask & ~is_mal)
+    metrics.update({k: v for k, v in info.items() if jnp.ndim(v) == 0})
     new_state = ServerState(state.round + 1, params, method_state,
                             jax.random.key_data(key))
     return new_state, metrics

@@ -14,6 +14,7 @@ import optax
 
 from fedrobust.engine.local import (LocalConfig, classification_loss,
                                     make_batch_plan, train_steps)
+from fedrobust.aggregators.base import Aggregator
 from fedrobust.engine.round import Method
 from fedrobust.models import Model
 from fedrobust.tree import masked_weighted_mean, tree_sq_norm, tree_sub
@@ -22,8 +23,12 @@ from fedrobust.types import ClientOutput
 
 def local_sgd_update(model: Model, *, local: LocalConfig,
                      optimizer: optax.GradientTransformation,
-                     proximal_mu: float = 0.0):
-  """client_update for methods whose client runs plain (proximal) SGD."""
+                     proximal_mu: float = 0.0, poison=None):
+  """client_update for methods whose client runs plain (proximal) SGD.
+
+  `poison` (attacks.data_poisoning.DataPoison) poisons the batches of
+  clients whose LocalData.is_malicious is set.
+  """
   base_loss = classification_loss(model.apply)
 
   def client_update(params, client_state, data, key, server_data):
@@ -38,7 +43,8 @@ def local_sgd_update(model: Model, *, local: LocalConfig,
       return loss, aux
 
     new_params, metrics = train_steps(loss_fn, params, data, plan, train_key,
-                                      optimizer=optimizer, config=local)
+                                      optimizer=optimizer, config=local,
+                                      poison=poison)
     return ClientOutput(delta=tree_sub(new_params, params),
                         weight=data.count.astype(jnp.float32),
                         client_state=client_state, metrics=metrics)
@@ -53,8 +59,13 @@ def no_client_state(method_state, ids):
 
 def fedavg(*, model: Model, local: LocalConfig,
            optimizer: optax.GradientTransformation, server_lr: float = 1.0,
-           proximal_mu: float = 0.0) -> Method:
+           proximal_mu: float = 0.0, aggregator: Aggregator | None = None,
+           poison=None) -> Method:
   """FedAvg (proximal_mu == 0) or FedProx (proximal_mu > 0).
+
+  With an `aggregator` the server replaces the size-weighted mean by that
+  robust rule (unweighted, as the rules are defined); its state is the
+  method state.
 
   Args:
     model: the shared architecture.
@@ -62,6 +73,8 @@ def fedavg(*, model: Model, local: LocalConfig,
     optimizer: the client optimizer (fresh state every round).
     server_lr: eta, the server step on the averaged delta.
     proximal_mu: FedProx's mu; 0 gives FedAvg.
+    aggregator: optional robust aggregation rule (aggregators.AGGREGATORS).
+    poison: optional data poison for malicious clients.
 
   Returns:
     A Method.
@@ -70,18 +83,24 @@ def fedavg(*, model: Model, local: LocalConfig,
     raise ValueError(f'--fedprox_mu must be >= 0, got {proximal_mu}')
 
   def init(params, num_clients, key):
-    del params, num_clients, key
-    return ()
+    del num_clients, key
+    return aggregator.init(params) if aggregator is not None else ()
 
   def server_update(state, ids, outputs, mask, key, server_data):
-    del ids, key, server_data
-    mean_delta = masked_weighted_mean(outputs.delta, outputs.weight, mask)
+    del ids, server_data
+    if aggregator is None:
+      update = masked_weighted_mean(outputs.delta, outputs.weight, mask)
+      agg_state = state.method_state
+      info = {'weights': jnp.where(mask, outputs.weight, 0.0)}
+    else:
+      update, agg_state, info = aggregator.aggregate(
+          outputs.delta, mask, state.method_state, key)
     params = jax.tree.map(lambda w, d: w + server_lr * d, state.params,
-                          mean_delta)
-    return params, state.method_state, {}
+                          update)
+    return params, agg_state, info
 
   name = 'fedprox' if proximal_mu else 'fedavg'
   return Method(name, init, no_client_state,
                 local_sgd_update(model, local=local, optimizer=optimizer,
-                                 proximal_mu=proximal_mu),
+                                 proximal_mu=proximal_mu, poison=poison),
                 server_update)

@@ -1,0 +1,139 @@
+"""Host-side assembly of the threat model and the aggregator from a config.
+
+Turns flag values into: the fixed malicious set, the data poison handed to
+the method, the model attack handed to the round, the aggregation rule,
+and the triggered test set used for the attack success rate.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust import aggregators, attacks
+from fedrobust.engine import Threat
+
+
+class ThreatSetup(NamedTuple):
+  threat: Threat | None
+  poison: Any                 # DataPoison or None
+  aggregator: Any             # Aggregator or None (size-weighted mean)
+  triggered_test: tuple[np.ndarray, np.ndarray] | None
+  num_malicious: int
+  num_byzantine: int
+
+
+def _kwargs(config: dict[str, Any], key: str) -> dict[str, Any]:
+  try:
+    value = json.loads(config.get(key) or '{}')
+  except json.JSONDecodeError as err:
+    raise ValueError(f'--{key} must be a JSON object, got '
+                     f'{config.get(key)!r} ({err})') from None
+  if not isinstance(value, dict):
+    raise ValueError(f'--{key} must be a JSON object, got {value!r}')
+  return value
+
+
+def build_threat(config: dict[str, Any], *, num_classes: int,
+                 input_shape: tuple[int, ...], test_x: np.ndarray,
+                 test_y: np.ndarray, validation: tuple[np.ndarray,
+                                                       np.ndarray],
+                 apply_fn) -> ThreatSetup:
+  """Validates the threat flags and builds the pieces (errors name flags)."""
+  attack = config['attack']
+  k = config['num_clients']
+  c = config['clients_per_round']
+  frac = config['malicious_fraction']
+  if not 0.0 <= frac < 1.0:
+    raise ValueError(f'--malicious_fraction must be in [0, 1), got {frac}')
+  num_malicious = int(round(frac * k))
+  if attack != 'none' and attack not in attacks.ATTACKS:
+    raise ValueError(f'--attack={attack!r}; expected one of '
+                     f"{['none'] + sorted(attacks.ATTACKS)}")
+  if attack != 'none' and num_malicious == 0:
+    raise ValueError(f'--attack={attack} needs --malicious_fraction > 0 '
+                     f'(it gives {num_malicious} of {k} clients)')
+  if attack == 'none' and num_malicious:
+    raise ValueError('--malicious_fraction > 0 needs an --attack')
+  if config['attack_start_round'] < 1:
+    raise ValueError('--attack_start_round must be >= 1')
+  # f, the number of Byzantine clients an aggregator is told to tolerate:
+  # by default the expected attackers among the C sampled clients.
+  f = config['num_byzantine']
+  if f < 0:
+    f = int(round(frac * c))
+
+  poison, model_attack, triggered = None, None, None
+  kwargs = _kwargs(config, 'attack_kwargs')
+  if attack in attacks.DATA_ATTACKS:
+    h, w = attacks.parse_trigger_size(config['trigger_size'])
+    trigger = attacks.Trigger(h, w, config['trigger_location'],
+                              config['trigger_value'])
+    target = config['backdoor_target_label']
+    if not 0 <= target < num_classes:
+      raise ValueError(f'--backdoor_target_label={target} must be in '
+                       f'[0, {num_classes})')
+    if attack == 'label_flip':
+      poison = attacks.label_flip(
+          num_classes=num_classes, source_label=config['flip_source_label'],
+          target_label=target, poison_fraction=config['poison_fraction'],
+          **kwargs)
+    elif attack == 'blended':
+      poison = attacks.blended(image_shape=input_shape, target_label=target,
+                               alpha=config['blend_alpha'],
+                               poison_fraction=config['poison_fraction'],
+                               seed=config['seed'], **kwargs)
+    else:
+      poison = attacks.DATA_ATTACKS[attack](
+          image_shape=input_shape, target_label=target, trigger=trigger,
+          poison_fraction=config['poison_fraction'], **kwargs)
+    if attack in attacks.BACKDOORS:
+      triggered = attacks.triggered_test_set(
+          test_x, test_y, attack, target_label=target, trigger=trigger,
+          alpha=config['blend_alpha'], seed=config['seed'])
+  elif attack in attacks.MODEL_ATTACKS:
+    built = attacks.get_model_attack(attack, **kwargs)
+    if built.needs_benign and config['attacker_knowledge'] != 'benign_stats':
+      raise ValueError(
+          f'--attack={attack} needs benign statistics, but '
+          f"--attacker_knowledge={config['attacker_knowledge']} does not "
+          'grant them')
+    model_attack = built.apply
+
+  aggregator = None
+  name = config['aggregator']
+  if name != 'weighted_mean':
+    aggregators.check_num_clients(name, c, f)
+    agg_kwargs = _kwargs(config, 'aggregator_kwargs')
+    if name in aggregators.SERVER_DATA_RULES:
+      if len(validation[1]) == 0:
+        raise ValueError(f'--aggregator={name} needs server data: set '
+                         '--validation_fraction and --validation_size > 0')
+      agg_kwargs.update(server_data=validation, apply_fn=apply_fn)
+    if name in aggregators.SLOT_HISTORY_RULES:
+      if c != k:
+        raise ValueError(f'--aggregator={name} keeps per-slot history and '
+                         'needs every client every round: set '
+                         '--clients_per_round=0 (all)')
+      agg_kwargs.setdefault('num_clients', c)
+    if (name in aggregators.MODEL_TRACKING_RULES and
+        config['server_lr'] != 1.0):
+      raise ValueError(f'--aggregator={name} tracks the global model and '
+                       'needs --server_lr=1')
+    aggregator = aggregators.get_aggregator(name, num_byzantine=f,
+                                            **agg_kwargs)
+
+  threat = None
+  if attack != 'none':
+    malicious = None
+    if not config['resample_malicious']:
+      chosen = np.random.default_rng(config['seed'] + 7).choice(
+          k, num_malicious, replace=False)
+      malicious = jnp.zeros(k, bool).at[chosen].set(True)
+    threat = Threat(malicious=malicious, num_malicious=num_malicious,
+                    start_round=config['attack_start_round'],
+                    model_attack=model_attack)
+  return ThreatSetup(threat, poison, aggregator, triggered, num_malicious, f)

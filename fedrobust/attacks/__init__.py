@@ -1,0 +1,76 @@
+"""Attack registry. Each entry builds an attack from keyword settings.
+
+  attack = get_model_attack('min_max', direction='sign')
+  updates = attack.apply(updates, is_malicious, mask, key)  # float[C, D]
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+from fedrobust.attacks.data_poisoning import (DataPoison, Trigger, badnets,
+                                              blended, label_flip,
+                                              parse_trigger_size,
+                                              triggered_test_set)
+
+from fedrobust.attacks.agr_tailored import agr_tailored
+from fedrobust.attacks.fang import fang_krum, fang_trim
+from fedrobust.attacks.model_poisoning import (ModelAttack, gaussian, ipm,
+                                               lie, min_max, min_sum,
+                                               scaling, sign_flip)
+
+MODEL_ATTACKS: dict[str, Callable[..., ModelAttack]] = {
+    'sign_flip': sign_flip,
+    'gaussian': gaussian,
+    'scaling': scaling,
+    'ipm': ipm,
+    'lie': lie,
+    'min_max': min_max,
+    'min_sum': min_sum,
+    'agr_tailored': agr_tailored,
+    'fang_trim': fang_trim,
+    'fang_krum': fang_krum,
+}
+
+# Data-poisoning attacks act inside malicious clients' local training.
+DATA_ATTACKS: dict[str, Callable[..., DataPoison]] = {
+    'label_flip': label_flip,
+    'badnets': badnets,
+    'blended': blended,
+    'dba': functools.partial(badnets, dba_pieces=4),
+}
+BACKDOORS = ('badnets', 'blended', 'dba')
+
+# Every value --attack accepts.
+ATTACKS = {**MODEL_ATTACKS, **DATA_ATTACKS}
+
+
+def get_model_attack(name: str, **kwargs) -> ModelAttack:
+  """Builds MODEL_ATTACKS[name]; ValueError naming --attack when it can't.
+
+  Args:
+    name: a key of MODEL_ATTACKS.
+    **kwargs: the factory's keyword settings.
+
+  Returns:
+    A ModelAttack.
+
+  Raises:
+    ValueError: unknown name, a setting the attack does not take, or a bad
+      value (raised by the factory).
+  """
+  if name not in MODEL_ATTACKS:
+    raise ValueError(f'--attack={name!r} is not a known model-poisoning '
+                     f'attack; expected one of {sorted(MODEL_ATTACKS)}')
+  factory = MODEL_ATTACKS[name]
+  accepted = inspect.signature(factory).parameters
+  unknown = sorted(set(kwargs) - set(accepted))
+  if unknown:
+    raise ValueError(f'--attack={name} takes no setting(s) {unknown}; its '
+                     f'settings are {sorted(accepted)}')
+  return factory(**kwargs)
+
+
+__all__ = ['ATTACKS', 'MODEL_ATTACKS', 'ModelAttack', 'get_model_attack']

@@ -1,0 +1,202 @@
+"""Data-poisoning attacks: applied to a malicious client's batches in training.
+
+A DataPoison transforms ONE batch inside the compiled local-training step:
+
+  poison(x uint8[B, H, W, Ch], y int32[B], rows int32[B], client_rank)
+    -> (x, y)
+
+`rows` are the batch's row indices in the client's data. Which rows are
+poisoned depends only on the row (a fixed subset of the client's data, the
+first round(poison_fraction * count) rows, whose order is random because
+partitions are drawn at random), so the same examples carry the trigger in
+every epoch and round, as in the BadNets protocol. `client_rank` is the
+client's index among the malicious clients (DBA splits the trigger by it).
+The caller applies the poison only for malicious clients.
+
+Triggered evaluation (attack success rate) uses `trigger_images` with the
+full trigger on test images whose true class is not the target.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TRIGGER_LOCATIONS = ('top_left', 'top_right', 'bottom_left', 'bottom_right',
+                     'center')
+
+
+class Trigger(NamedTuple):
+  """A patch trigger: static geometry and value."""
+  height: int = 2
+  width: int = 6
+  location: str = 'top_left'
+  value: int = 255
+  margin: int = 0
+
+  def origin(self, image_h: int, image_w: int) -> tuple[int, int]:
+    h, w, m = self.height, self.width, self.margin
+    return {
+        'top_left': (m, m),
+        'top_right': (m, image_w - w - m),
+        'bottom_left': (image_h - h - m, m),
+        'bottom_right': (image_h - h - m, image_w - w - m),
+        'center': ((image_h - h) // 2, (image_w - w) // 2),
+    }[self.location]
+
+
+def parse_trigger_size(text: str) -> tuple[int, int]:
+  """'2x6' -> (2, 6); ValueError naming --trigger_size otherwise."""
+  try:
+    h, w = (int(v) for v in text.lower().split('x'))
+  except ValueError:
+    raise ValueError(f'--trigger_size={text!r}; expected HxW, e.g. 2x6') \
+        from None
+  if h < 1 or w < 1:
+    raise ValueError(f'--trigger_size={text!r} must be positive')
+  return h, w
+
+
+def trigger_mask(trigger: Trigger, image_shape: tuple[int, ...], *,
+                 piece: int | None = None,
+                 num_pieces: int = 1) -> np.ndarray:
+  """bool[H, W, 1]: where the trigger (or its DBA piece) sits.
+
+  DBA splits the patch along its width into `num_pieces` contiguous pieces.
+  """
+  h_img, w_img = image_shape[:2]
+  if (trigger.height + trigger.margin > h_img or
+      trigger.width + trigger.margin > w_img):
+    raise ValueError(f'--trigger_size={trigger.height}x{trigger.width} does '
+                     f'not fit a {h_img}x{w_img} image')
+  if trigger.location not in TRIGGER_LOCATIONS:
+    raise ValueError(f'--trigger_location={trigger.location!r}; expected one '
+                     f'of {TRIGGER_LOCATIONS}')
+  top, left = trigger.origin(h_img, w_img)
+  cols = np.arange(trigger.width)
+  if piece is not None:
+    cols = np.array_split(cols, num_pieces)[piece]
+  mask = np.zeros((h_img, w_img, 1), bool)
+  mask[top:top + trigger.height, left + cols[0]:left + cols[-1] + 1] = True
+  return mask
+
+
+def _poisoned_rows(rows: jax.Array, count: jax.Array,
+                   fraction: float) -> jax.Array:
+  limit = jnp.round(fraction * count.astype(jnp.float32)).astype(jnp.int32)
+  return rows < limit
+
+
+class DataPoison(NamedTuple):
+  """name and a batch transform (see module docstring)."""
+  name: str
+  apply: Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def badnets(*, image_shape: tuple[int, ...], target_label: int = 2,
+            trigger: Trigger = Trigger(), poison_fraction: float = 0.5,
+            dba_pieces: int = 0) -> DataPoison:
+  """BadNets patch backdoor (Gu et al. 2017); DBA when dba_pieces > 1.
+
+  A poisoned example gets the trigger's pixels set to `trigger.value` and
+  the label `target_label`. With DBA (Xie et al. ICLR'20) the malicious
+  client of rank r stamps only piece r mod dba_pieces of the trigger.
+  """
+  _check_fraction(poison_fraction)
+  full = jnp.asarray(trigger_mask(trigger, image_shape))
+  pieces = jnp.asarray(np.stack([
+      trigger_mask(trigger, image_shape, piece=i, num_pieces=dba_pieces)
+      for i in range(max(dba_pieces, 1))])) if dba_pieces > 1 else None
+
+  def apply(x, y, rows, count, client_rank):
+    where = full if pieces is None else pieces[client_rank % dba_pieces]
+    hit = _poisoned_rows(rows, count, poison_fraction)
+    stamped = jnp.where(where[None], jnp.uint8(trigger.value), x)
+    x = jnp.where(hit[:, None, None, None], stamped, x)
+    y = jnp.where(hit, target_label, y)
+    return x, y
+
+  return DataPoison('dba' if pieces is not None else 'badnets', apply)
+
+
+def blended(*, image_shape: tuple[int, ...], target_label: int = 2,
+            alpha: float = 0.2, poison_fraction: float = 0.5,
+            seed: int = 0) -> DataPoison:
+  """Blended backdoor (Chen et al. 2017): x' = (1-alpha) x + alpha P."""
+  _check_fraction(poison_fraction)
+  pattern = jnp.asarray(blend_pattern(image_shape, seed))
+
+  def apply(x, y, rows, count, client_rank):
+    del client_rank
+    hit = _poisoned_rows(rows, count, poison_fraction)
+    mixed = blend(x, pattern, alpha)
+    x = jnp.where(hit[:, None, None, None], mixed, x)
+    return x, jnp.where(hit, target_label, y)
+
+  return DataPoison('blended', apply)
+
+
+def blend_pattern(image_shape: tuple[int, ...], seed: int) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, 256, image_shape,
+                                               dtype=np.uint8)
+
+
+def blend(x, pattern, alpha: float):
+  mixed = (1 - alpha) * x.astype(jnp.float32) + alpha * pattern.astype(
+      jnp.float32)
+  return jnp.clip(jnp.round(mixed), 0, 255).astype(jnp.uint8)
+
+
+def label_flip(*, num_classes: int, source_label: int = -1,
+               target_label: int = -1,
+               poison_fraction: float = 1.0) -> DataPoison:
+  """Label flipping.
+
+  Symmetric (source_label == -1): y -> num_classes - 1 - y.
+  Pair/targeted (source_label >= 0): y == source -> target.
+  """
+  _check_fraction(poison_fraction)
+  if source_label >= 0 and not 0 <= target_label < num_classes:
+    raise ValueError('--attack=label_flip with --flip_source_label needs '
+                     f'--backdoor_target_label in [0, {num_classes})')
+
+  def apply(x, y, rows, count, client_rank):
+    del client_rank
+    hit = _poisoned_rows(rows, count, poison_fraction)
+    if source_label < 0:
+      flipped = num_classes - 1 - y
+    else:
+      flipped = jnp.where(y == source_label, target_label, y)
+    return x, jnp.where(hit, flipped, y)
+
+  return DataPoison('label_flip', apply)
+
+
+def _check_fraction(fraction: float) -> None:
+  if not 0.0 < fraction <= 1.0:
+    raise ValueError(f'--poison_fraction must be in (0, 1], got {fraction}')
+
+
+def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,
+                       target_label: int, trigger: Trigger = Trigger(),
+                       alpha: float = 0.2, seed: int = 0
+                       ) -> tuple[np.ndarray, np.ndarray]:
+  """Host-side: the test images of other classes with the FULL trigger.
+
+  Returns (x uint8[M', ...], y = target_label int32[M']); accuracy of the
+  global model on it is the attack success rate.
+  """
+  keep = y != target_label
+  x = x[keep].copy()
+  if poison_name in ('badnets', 'dba'):
+    mask = trigger_mask(trigger, x.shape[1:])
+    x[:, mask[..., 0]] = trigger.value
+  elif poison_name == 'blended':
+    pattern = blend_pattern(x.shape[1:], seed)
+    x = np.asarray(blend(x, pattern, alpha))
+  else:
+    raise ValueError(f'{poison_name!r} has no trigger')
+  return x, np.full(len(x), target_label, np.int32)

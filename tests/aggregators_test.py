@@ -1,0 +1,374 @@
+"""Tests for fedrobust.aggregators.
+
+(1) A conformance suite over every AGGREGATORS entry; (2) NumPy references
+on inputs with an absent slot; (3) sign-flip attackers stay out of the
+robust outputs; (4) the client-count and flag checks.
+
+Every rule is compiled once per slot count (C = 7, and C = 9 for the
+masked-slot test) and the compiled function is shared by the tests (the CPU
+is slow to compile); it is wrapped in chex.assert_max_traces(n=1), so a
+retrace anywhere fails. C = 7 because Bulyan with f = 1 needs n >= 4f+3.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust import aggregators
+
+C = 7
+F = 1
+D = 8                  # 'b': [2] then 'w': [3, 2] (tree leaves sorted by key)
+# The rules of this package; the server-aided ones need server data and a
+# model (tests/aggregators_server_test.py). Aliases ('rfa') are tested once.
+_OWN = {name: factory for name, factory in aggregators.AGGREGATORS.items()
+        if name not in aggregators.SERVER_AIDED}
+NAMES = sorted(name for name, factory in _OWN.items()
+               if min(k for k, v in _OWN.items() if v is factory) == name)
+PARAMS = {'w': np.zeros((3, 2), np.float32), 'b': np.zeros((2,), np.float32)}
+KEY = jax.random.key(0)
+
+
+def stack(flat):
+  """float[K, D] -> stacked updates {'b': [K, 2], 'w': [K, 3, 2]}."""
+  flat = np.asarray(flat, np.float32)
+  return {'b': flat[:, :2], 'w': flat[:, 2:].reshape(-1, 3, 2)}
+
+
+def unstack(tree):
+  """One client's tree -> float64[D] in ravel order."""
+  return np.concatenate([np.asarray(tree['b'], np.float64).ravel(),
+                         np.asarray(tree['w'], np.float64).ravel()])
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(name, f=F, slots=C, hparams=()):
+  """(Aggregator, jitted aggregate), one compile per (rule, f, C, hparams).
+
+  The plain def is wrapped in chex.assert_max_traces(n=1) under a name
+  unique to the cache key, so a retrace in any test that shares it fails.
+  """
+  agg = aggregators.AGGREGATORS[name](num_byzantine=f, **dict(hparams))
+
+  def aggregate(updates, mask, state, key):
+    return agg.aggregate(updates, mask, state, key)
+
+  aggregate.__name__ = f'aggregate_{name}_f{f}_c{slots}_{hparams}'
+  return agg, jax.jit(chex.assert_max_traces(aggregate, n=1))
+
+
+def run(name, flat, mask, *, f=F, hparams=(), state=None, key=KEY):
+  agg, fn = compiled(name, f, len(flat), hparams)
+  if state is None:
+    state = agg.init(PARAMS)
+  out, state, info = fn(stack(flat), jnp.asarray(mask, bool), state, key)
+  return out, state, info
+
+
+def random_updates(seed, num=C):
+  return np.random.default_rng(seed).normal(size=(num, D)).astype(np.float32)
+
+
+def absent_slot_inputs(seed=0, absent=2):
+  """C random rows, slot `absent` masked out and filled with NaN."""
+  x = random_updates(seed)
+  x[absent] = np.nan
+  mask = np.ones(C, bool)
+  mask[absent] = False
+  return x, mask
+
+
+class ConformanceTest(parameterized.TestCase):
+  """The same checks for every registered rule."""
+
+  @parameterized.parameters(*NAMES)
+  def test_shapes_dtypes_and_weights(self, name):
+    x, mask = absent_slot_inputs()
+    out, _, info = run(name, x, mask)
+    chex.assert_trees_all_equal_shapes_and_dtypes(
+        out, jax.tree.map(jnp.asarray, PARAMS))
+    weights = np.asarray(info['weights'])
+    self.assertEqual(info['weights'].dtype, jnp.float32)
+    self.assertEqual(weights.shape, (C,))
+    self.assertTrue(np.all(np.isfinite(weights)))
+    self.assertTrue(np.all(weights >= 0))
+    self.assertEqual(weights[~mask].tolist(), [0.0])
+    self.assertTrue(np.all(np.isfinite(unstack(out))))
+
+  @parameterized.parameters(*NAMES)
+  def test_masked_slots_are_inert(self, name):
+    x = random_updates(1)
+    base, _, base_info = run(name, x, np.ones(C, bool))
+    # Two absent slots in the middle, holding NaN and 1e30.
+    padded = np.insert(x, [1, 5], [[np.nan] * D, [1e30] * D], axis=0)
+    mask = np.insert(np.ones(C, bool), [1, 5], False)
+    out, _, info = run(name, padded, mask)
+    np.testing.assert_allclose(unstack(out), unstack(base), atol=1e-6,
+                               rtol=1e-6)
+    weights = np.asarray(info['weights'])
+    np.testing.assert_array_equal(weights[~mask], 0.0)
+    np.testing.assert_allclose(weights[mask], base_info['weights'],
+                               atol=1e-6)
+
+  @parameterized.parameters(*NAMES)
+  def test_permuting_clients_changes_nothing(self, name):
+    x, mask = absent_slot_inputs(seed=2)
+    perm = np.random.default_rng(3).permutation(C)
+    out, _, info = run(name, x, mask)
+    out_p, _, info_p = run(name, x[perm], mask[perm])
+    np.testing.assert_allclose(unstack(out_p), unstack(out), atol=1e-5,
+                               rtol=1e-5)
+    np.testing.assert_allclose(info_p['weights'],
+                               np.asarray(info['weights'])[perm], atol=1e-5)
+
+  @parameterized.parameters(*NAMES)
+  def test_identical_inputs_come_back(self, name):
+    u = random_updates(4, num=1)
+    x, mask = absent_slot_inputs()
+    x[mask] = u
+    out, _, _ = run(name, x, mask)
+    np.testing.assert_allclose(unstack(out), u[0], atol=1e-5, rtol=1e-5)
+
+  @parameterized.product(name=NAMES, bad=('nan', '+inf', '-inf', '1e30'))
+  def test_finite_with_one_bad_client(self, name, bad):
+    if name == 'mean':
+      self.skipTest('the mean has no robustness: one NaN/Inf client makes '
+                    'it NaN/Inf, a 1e30 client makes it ~1e30/n')
+    x, mask = absent_slot_inputs(seed=5)
+    if bad == '1e30':
+      x[4] = 1e30 * x[4]
+    else:                                 # half the coordinates poisoned
+      x[4, ::2] = {'nan': np.nan, '+inf': np.inf, '-inf': -np.inf}[bad]
+    out, _, info = run(name, x, mask)
+    self.assertTrue(np.all(np.isfinite(unstack(out))), unstack(out))
+    self.assertTrue(np.all(np.isfinite(info['weights'])))
+
+  @parameterized.parameters(*NAMES)
+  def test_jit_matches_eager(self, name):
+    x, mask = absent_slot_inputs(seed=6)
+    agg, _ = compiled(name)
+    out_jit, state_jit, info_jit = run(name, x, mask)
+    out, state, info = agg.aggregate(stack(x), jnp.asarray(mask),
+                                     agg.init(PARAMS), KEY)
+    chex.assert_trees_all_close(out, out_jit, atol=1e-6, rtol=1e-6)
+    chex.assert_trees_all_close(state, state_jit, atol=1e-6, rtol=1e-6)
+    chex.assert_trees_all_close(info, info_jit, atol=1e-6, rtol=1e-6)
+
+  @parameterized.parameters(*NAMES)
+  def test_no_retrace_across_rounds(self, name):
+    agg, fn = compiled(name)          # chex.assert_max_traces(n=1) inside
+    state = agg.init(PARAMS)
+    for round_ in range(3):           # new values, mask, key and state
+      x, mask = absent_slot_inputs(seed=10 + round_, absent=round_)
+      _, state, _ = fn(stack(x), jnp.asarray(mask), state,
+                       jax.random.key(round_))
+
+
+# ----------------------------------------------------------------------------
+# NumPy references (float64), on the real rows of absent_slot_inputs.
+# ----------------------------------------------------------------------------
+
+
+def np_sq_dists(x):
+  return np.sum(np.square(x[:, None, :] - x[None, :, :]), axis=-1)
+
+
+def np_krum_ranking(d2, candidates, n, f):
+  """Candidates best first: score over the max(n-f-2, 1) nearest, then the
+  sum of all distances to other candidates, then the index."""
+  k = max(n - f - 2, 1)
+  keys = []
+  for i in candidates:
+    dists = sorted(d2[i, j] for j in candidates if j != i)
+    keys.append((sum(dists[:k]), sum(dists), i))
+  return [i for *_, i in sorted(keys)]
+
+
+def np_bulyan(x, f):
+  n = len(x)
+  d2 = np_sq_dists(x)
+  theta = max(n - 2 * f, 1)
+  remaining, selected = list(range(n)), []
+  for t in range(theta):
+    winner = np_krum_ranking(d2, remaining, n - t, f)[0]
+    selected.append(winner)
+    remaining.remove(winner)
+  s = x[selected]
+  med = np.median(s, axis=0)
+  beta = max(theta - 2 * f, 1)
+  out = np.empty(x.shape[1])
+  for d in range(x.shape[1]):
+    closest = np.lexsort((s[:, d], np.abs(s[:, d] - med[d])))[:beta]
+    out[d] = s[closest, d].mean()
+  return out
+
+
+def np_weiszfeld(x, iters, eps):
+  v = np.median(x, axis=0)
+  for _ in range(iters):
+    beta = (1.0 / len(x)) / np.maximum(eps, np.linalg.norm(x - v, axis=1))
+    v = beta @ x / beta.sum()
+  return v
+
+
+def np_centered_clipping(x, v, tau, iters):
+  for _ in range(iters):
+    diff = x - v
+    scale = np.minimum(1.0, tau / np.linalg.norm(diff, axis=1))
+    v = v + (scale[:, None] * diff).sum(axis=0) / len(x)
+  return v
+
+
+def np_norm_bounding(x):
+  norms = np.linalg.norm(x, axis=1)
+  scale = np.minimum(1.0, np.median(norms) / norms)
+  return (scale[:, None] * x).sum(axis=0) / len(x)
+
+
+class ReferenceTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.x, self.mask = absent_slot_inputs(seed=7)
+    self.real = self.x[self.mask].astype(np.float64)     # n = 6
+
+  def check(self, name, expected, **kw):
+    out, _, info = run(name, self.x, self.mask, **kw)
+    np.testing.assert_allclose(unstack(out), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.sum(info['weights']), 1.0, rtol=1e-5)
+    return info
+
+  def test_median(self):
+    self.check('median', np.median(self.real, axis=0))
+
+  def test_trimmed_mean(self):
+    s = np.sort(self.real, axis=0)
+    self.check('trimmed_mean', s[F:len(s) - F].mean(axis=0))
+
+  def test_krum(self):
+    ranking = np_krum_ranking(np_sq_dists(self.real), range(6), 6, F)
+    info = self.check('krum', self.real[ranking[0]])
+    real_ids = np.flatnonzero(self.mask)
+    np.testing.assert_array_equal(np.flatnonzero(info['selected']),
+                                  [real_ids[ranking[0]]])
+
+  def test_multi_krum(self):
+    ranking = np_krum_ranking(np_sq_dists(self.real), range(6), 6, F)
+    chosen = sorted(ranking[:6 - F])
+    info = self.check('multi_krum', self.real[chosen].mean(axis=0))
+    real_ids = np.flatnonzero(self.mask)
+    np.testing.assert_array_equal(np.flatnonzero(info['selected']),
+                                  real_ids[chosen])
+
+  def test_bulyan(self):
+    self.check('bulyan', np_bulyan(self.real, F))
+
+  def test_geometric_median(self):
+    self.check('geometric_median', np_weiszfeld(self.real, 8, 1e-6))
+
+  def test_norm_bounding(self):
+    out, _, info = run('norm_bounding', self.x, self.mask)
+    np.testing.assert_allclose(unstack(out), np_norm_bounding(self.real),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        info['norm_bound'], np.median(np.linalg.norm(self.real, axis=1)),
+        rtol=1e-5)
+
+  def test_centered_clipping_two_rounds(self):
+    hparams = (('tau', 1.0),)       # small enough that clipping is active
+    out1, state, _ = run('centered_clipping', self.x, self.mask,
+                         hparams=hparams)
+    v1 = np_centered_clipping(self.real, np.zeros(D), 1.0, 3)
+    np.testing.assert_allclose(unstack(out1), v1, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state, out1)
+    x2, mask2 = absent_slot_inputs(seed=8)
+    out2, _, _ = run('centered_clipping', x2, mask2, hparams=hparams,
+                     state=state)
+    v2 = np_centered_clipping(x2[mask2].astype(np.float64), v1, 1.0, 3)
+    np.testing.assert_allclose(unstack(out2), v2, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# Attacks.
+# ----------------------------------------------------------------------------
+
+
+class SignFlipTest(parameterized.TestCase):
+  """Two attackers among seven send -10x the honest mean (f = 2 < n/2)."""
+
+  @parameterized.parameters('median', 'trimmed_mean', 'krum', 'dnc')
+  def test_output_within_honest_range(self, name):
+    rng = np.random.default_rng(9)
+    honest = (1.0 + 0.5 * rng.normal(size=(5, D))).astype(np.float32)
+    attack = np.broadcast_to(-10.0 * honest.mean(axis=0), (2, D))
+    x = np.concatenate([honest[:2], attack[:1], honest[2:], attack[1:]])
+    out, _, info = run(name, x, np.ones(C, bool), f=2)
+    out = unstack(out)
+    lo, hi = honest.min(axis=0), honest.max(axis=0)
+    self.assertTrue(np.all((out >= lo - 1e-6) & (out <= hi + 1e-6)),
+                    (out, lo, hi))
+    np.testing.assert_array_equal(np.asarray(info['weights'])[[2, 6]], 0.0)
+
+
+# ----------------------------------------------------------------------------
+# Validation.
+# ----------------------------------------------------------------------------
+
+
+class ValidationTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ('krum', 4, 1, 'n >= 2f+3'),
+      ('multi_krum', 4, 1, 'n >= 2f+3'),
+      ('bulyan', 6, 1, 'n >= 4f+3'),
+      ('trimmed_mean', 2, 1, '2f < n'),
+      ('dnc', 2, 2, 'n > f'),
+  )
+  def test_check_num_clients_names_the_flags(self, name, n, f, inequality):
+    with self.assertRaisesRegex(ValueError, '--aggregator') as ctx:
+      aggregators.check_num_clients(name, n, f)
+    self.assertIn('--num_byzantine', str(ctx.exception))
+    self.assertIn(inequality, str(ctx.exception))
+    aggregators.check_num_clients(name, n + 1, f)      # one more suffices
+
+  def test_check_num_clients_accepts_every_rule_at_its_minimum(self):
+    for name in NAMES:
+      aggregators.check_num_clients(name, 4 * F + 3, F)
+
+  def test_rfa_is_the_geometric_median(self):
+    self.assertIs(aggregators.AGGREGATORS['rfa'],
+                  aggregators.AGGREGATORS['geometric_median'])
+
+  def test_unknown_aggregator(self):
+    with self.assertRaisesRegex(ValueError, '--aggregator.*expected one of'):
+      aggregators.get_aggregator('nope', num_byzantine=0)
+    with self.assertRaisesRegex(ValueError, '--aggregator'):
+      aggregators.check_num_clients('nope', 10, 1)
+
+  def test_static_check_at_trace_time(self):
+    agg = aggregators.get_aggregator('krum', num_byzantine=1)
+    x = random_updates(0, num=4)
+    with self.assertRaisesRegex(ValueError, 'n >= 2f\\+3.*--num_byzantine=1'):
+      agg.aggregate(stack(x), jnp.ones(4, bool), (), KEY)
+
+  @parameterized.parameters(
+      ('median', {'num_byzantine': -1}, '--num_byzantine'),
+      ('multi_krum', {'num_byzantine': 1, 'm': 0}, '--multi_krum_m'),
+      ('geometric_median', {'iters': 0}, '--gm_iters'),
+      ('centered_clipping', {'tau': 0.0}, '--cc_tau'),
+      ('norm_bounding', {'max_norm': -1.0}, '--norm_bound'),
+      ('dnc', {'num_byzantine': 1, 'subsample_dim': 0},
+       '--dnc_subsample_dim'),
+  )
+  def test_bad_hparams_name_the_flag(self, name, kwargs, flag):
+    with self.assertRaisesRegex(ValueError, flag):
+      aggregators.get_aggregator(name, **kwargs)
+
+
+if __name__ == '__main__':
+  absltest.main()

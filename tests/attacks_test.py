@@ -1,0 +1,357 @@
+"""Tests for fedrobust.attacks: the ModelAttack contract and each definition.
+
+One shared round: C=10 slots, D=12; slots 8 and 9 are padding holding NaN
+(slot 8 is also flagged malicious); slots 0 and 1 are the real attackers.
+So n = 8 real clients, m = 2 real attackers, 6 benign rows. Each attack
+program is jitted once and its outputs cached, to keep XLA compiles few.
+"""
+
+import functools
+import statistics
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust.attacks import (ATTACKS, MODEL_ATTACKS, ModelAttack,
+                               get_model_attack)
+from fedrobust.attacks.fang import fang_krum
+
+C, D = 10, 12
+MASK = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0, 0], bool)
+MALICIOUS = np.array([1, 1, 0, 0, 0, 0, 0, 0, 1, 0], bool)
+ATTACKER = MASK & MALICIOUS
+BENIGN = MASK & ~MALICIOUS
+N, M = int(MASK.sum()), int(ATTACKER.sum())
+KEY = jax.random.key(0)
+
+
+def make_updates(seed=0, pad=np.nan):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(0.2, 1.0, (C, D)).astype(np.float32)
+  x[~MASK] = pad
+  return x
+
+
+UPDATES = make_updates()
+
+CONFIGS = {
+    'sign_flip': ('sign_flip', {}),
+    'gaussian': ('gaussian', {}),
+    'scaling': ('scaling', {}),
+    'ipm': ('ipm', {}),
+    'lie': ('lie', {}),
+    'min_max': ('min_max', {}),
+    'min_sum': ('min_sum', {}),
+    'tailored_trimmed_mean': ('agr_tailored', {'rule': 'trimmed_mean'}),
+    'tailored_median': ('agr_tailored', {'rule': 'median'}),
+    'tailored_krum': ('agr_tailored', {'rule': 'krum'}),
+    'tailored_multi_krum': ('agr_tailored', {'rule': 'multi_krum'}),
+    'fang_trim': ('fang_trim', {}),
+    'fang_krum': ('fang_krum', {}),
+}
+
+NEEDS_BENIGN = {'sign_flip': False, 'gaussian': False, 'scaling': False,
+                'ipm': True, 'lie': True, 'min_max': True, 'min_sum': True,
+                'agr_tailored': True, 'fang_trim': True, 'fang_krum': True}
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(label, **extra):
+  name, kwargs = CONFIGS[label] if label in CONFIGS else (label, {})
+  return jax.jit(get_model_attack(name, **kwargs, **extra).apply)
+
+
+@functools.lru_cache(maxsize=None)
+def attacked(label, **extra):
+  """Attack output (jitted) on the shared round, as float32[C, D]."""
+  return np.asarray(jitted(label, **extra)(UPDATES, MALICIOUS, MASK, KEY))
+
+
+# ----------------------------------------------------------------------------
+# NumPy references (float64).
+# ----------------------------------------------------------------------------
+
+
+def benign_rows(x=UPDATES):
+  return x[BENIGN].astype(np.float64)
+
+
+def sq_dists(x):
+  x = np.asarray(x, np.float64)
+  return np.sum((x[:, None, :] - x[None, :, :])**2, axis=-1)
+
+
+def krum_scores(x, f):
+  d = sq_dists(x)
+  k = len(x) - f - 2
+  return np.array([np.sort(np.delete(d[i], i))[:k].sum()
+                   for i in range(len(x))])
+
+
+def trimmed_mean(x, f):
+  return np.sort(x, axis=0)[f:len(x) - f].mean(axis=0)
+
+
+def deviation(out, rule):
+  """|| rule(real rows of out) - rule(benign rows) ||."""
+  real = out[MASK].astype(np.float64)
+  return np.linalg.norm(rule(real) - rule(benign_rows()))
+
+
+def recover_gamma(mal, mu, p):
+  """gamma with mal = mu + gamma p (checked to hold)."""
+  gamma = np.dot(mal - mu, p) / np.dot(p, p)
+  np.testing.assert_allclose(mal, mu + gamma * p, rtol=1e-4, atol=1e-5)
+  return gamma
+
+
+def direction(name, b):
+  mu = b.mean(0)
+  return {'unit_vec': -mu / np.linalg.norm(mu), 'sign': -np.sign(mu),
+          'std': -b.std(0, ddof=1)}[name]
+
+
+# ----------------------------------------------------------------------------
+# The contract every registry entry keeps.
+# ----------------------------------------------------------------------------
+
+
+class ConformanceTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(*[(k, k) for k in CONFIGS])
+  def test_contract(self, label):
+    out = attacked(label)
+    self.assertEqual(out.shape, (C, D))
+    self.assertEqual(out.dtype, np.float32)
+    # Benign and padded rows bit-identical (NaN == NaN here).
+    np.testing.assert_array_equal(out[~ATTACKER], UPDATES[~ATTACKER])
+    self.assertTrue(np.all(np.isfinite(out[ATTACKER])))
+    self.assertTrue(np.all(out[ATTACKER] != UPDATES[ATTACKER]))
+
+  @parameterized.named_parameters(*[(k, k) for k in CONFIGS])
+  def test_padding_is_inert_and_jit_agrees(self, label):
+    fn = jitted(label)
+    other = UPDATES.copy()
+    other[~MASK] = 1e30
+    out_other = np.asarray(fn(other, MALICIOUS, MASK, KEY))
+    np.testing.assert_array_equal(out_other[ATTACKER],
+                                  attacked(label)[ATTACKER])
+    name, kwargs = CONFIGS[label]
+    eager = np.asarray(get_model_attack(name, **kwargs).apply(
+        UPDATES, MALICIOUS, MASK, KEY))
+    np.testing.assert_allclose(eager, attacked(label), rtol=1e-5, atol=1e-6)
+    # No real attacker: the round comes back untouched.
+    none = np.asarray(fn(UPDATES, np.zeros(C, bool), MASK, KEY))
+    np.testing.assert_array_equal(none, UPDATES)
+
+  def test_no_retrace_across_rounds(self):
+    attack = get_model_attack('min_max')
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(x, key):
+      return attack.apply(x, MALICIOUS, MASK, key)
+
+    for seed in range(3):
+      step(make_updates(seed), jax.random.key(seed))
+
+  def test_registry(self):
+    self.assertEqual(set(MODEL_ATTACKS), set(NEEDS_BENIGN))
+    self.assertTrue(set(MODEL_ATTACKS) <= set(ATTACKS))
+    for name, factory in MODEL_ATTACKS.items():
+      attack = factory()
+      self.assertIsInstance(attack, ModelAttack)
+      self.assertEqual(attack.name, name)
+      self.assertEqual(attack.needs_benign, NEEDS_BENIGN[name], name)
+
+  def test_get_model_attack_errors_name_the_flag(self):
+    with self.assertRaisesRegex(ValueError, r"--attack='nope'.*'lie'"):
+      get_model_attack('nope')
+    with self.assertRaisesRegex(ValueError, r'--attack=lie takes no'):
+      get_model_attack('lie', epsilon=1.0)
+
+  @parameterized.parameters(
+      ('sign_flip', {'scale': 0.0}, 'scale'),
+      ('gaussian', {'std': -1.0}, 'std'),
+      ('scaling', {'factor': 0}, 'factor'),
+      ('ipm', {'epsilon': float('nan')}, 'epsilon'),
+      ('lie', {'z': float('inf')}, 'z'),
+      ('min_max', {'direction': 'up'}, 'direction must be one of'),
+      ('min_sum', {'tau': 0.0}, 'tau'),
+      ('min_max', {'max_iters': 0}, 'max_iters'),
+      ('agr_tailored', {'rule': 'bulyan'}, 'rule must be one of'),
+      ('agr_tailored', {'rule': 'custom'}, 'aggregate_fn'),
+      ('agr_tailored', {'num_byzantine': -1}, 'num_byzantine'),
+      ('fang_trim', {'b': 1.0}, 'b must be'),
+      ('fang_krum', {'reference': 'zero'}, 'reference'),
+  )
+  def test_bad_settings_name_the_flag(self, name, kwargs, message):
+    with self.assertRaisesRegex(ValueError, f'--attack={name}: .*{message}'):
+      get_model_attack(name, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Each attack against its definition.
+# ----------------------------------------------------------------------------
+
+
+class DefinitionTest(parameterized.TestCase):
+
+  def test_sign_flip(self):
+    np.testing.assert_array_equal(attacked('sign_flip')[ATTACKER],
+                                  -UPDATES[ATTACKER])
+    out = get_model_attack('sign_flip', scale=2.5).apply(
+        UPDATES, MALICIOUS, MASK, KEY)
+    np.testing.assert_array_equal(np.asarray(out)[ATTACKER],
+                                  np.float32(-2.5) * UPDATES[ATTACKER])
+
+  def test_gaussian_rows_are_independent_draws(self):
+    mal = attacked('gaussian')[ATTACKER]
+    self.assertFalse(np.allclose(mal[0], mal[1]))
+    self.assertLess(np.abs(mal).max(), 6.0)
+    other = jitted('gaussian')(UPDATES, MALICIOUS, MASK, jax.random.key(1))
+    self.assertFalse(np.allclose(np.asarray(other)[ATTACKER], mal))
+
+  def test_scaling(self):
+    np.testing.assert_array_equal(attacked('scaling')[ATTACKER],
+                                  np.float32(N / M) * UPDATES[ATTACKER])
+    out = get_model_attack('scaling', factor=3.0).apply(
+        UPDATES, MALICIOUS, MASK, KEY)
+    np.testing.assert_array_equal(np.asarray(out)[ATTACKER],
+                                  np.float32(3.0) * UPDATES[ATTACKER])
+
+  def test_ipm(self):
+    expected = -0.5 * benign_rows().mean(0)
+    for row in attacked('ipm')[ATTACKER]:
+      np.testing.assert_allclose(row, expected, rtol=1e-5, atol=1e-6)
+
+  def test_lie(self):
+    s = np.floor(N / 2 + 1) - M
+    z = statistics.NormalDist().inv_cdf((N - s) / N)
+    b = benign_rows()
+    expected = b.mean(0) - z * b.std(0, ddof=1)
+    for row in attacked('lie')[ATTACKER]:
+      np.testing.assert_allclose(row, expected, rtol=1e-5, atol=1e-5)
+    out = get_model_attack('lie', z=1.5).apply(UPDATES, MALICIOUS, MASK, KEY)
+    np.testing.assert_allclose(np.asarray(out)[ATTACKER][0],
+                               b.mean(0) - 1.5 * b.std(0, ddof=1),
+                               rtol=1e-5, atol=1e-5)
+
+  @parameterized.parameters('std', 'unit_vec', 'sign')
+  def test_min_max(self, direction_name):
+    out = (attacked('min_max') if direction_name == 'std'
+           else attacked('min_max', direction=direction_name))
+    b = benign_rows()
+    mal = out[ATTACKER].astype(np.float64)
+    np.testing.assert_array_equal(mal[0], mal[1])
+    bound = np.sqrt(sq_dists(b).max())
+
+    def farthest(x):
+      return np.sqrt(((x[None, :] - b)**2).sum(1)).max()
+
+    self.assertLessEqual(farthest(mal[0]), bound * (1 + 1e-5))
+    p = direction(direction_name, b)
+    gamma = recover_gamma(mal[0], b.mean(0), p)
+    self.assertGreater(gamma, 0.0)
+    if gamma < 2 * 10.0 - 1e-3:   # Below the search cap: near-maximal.
+      self.assertGreater(farthest(b.mean(0) + 1.1 * gamma * p), bound)
+
+  @parameterized.parameters('std', 'unit_vec')
+  def test_min_sum(self, direction_name):
+    out = (attacked('min_sum') if direction_name == 'std'
+           else attacked('min_sum', direction=direction_name))
+    b = benign_rows()
+    mal = out[ATTACKER].astype(np.float64)
+    np.testing.assert_array_equal(mal[0], mal[1])
+    bound = sq_dists(b).sum(1).max()
+
+    def total(x):
+      return ((x[None, :] - b)**2).sum()
+
+    self.assertLessEqual(total(mal[0]), bound * (1 + 1e-5))
+    p = direction(direction_name, b)
+    gamma = recover_gamma(mal[0], b.mean(0), p)
+    self.assertGreater(gamma, 0.0)
+    if gamma < 2 * 10.0 - 1e-3:
+      self.assertGreater(total(b.mean(0) + 1.1 * gamma * p), bound)
+
+  @parameterized.named_parameters(
+      ('median', 'tailored_median', lambda x: np.median(x, axis=0)),
+      ('trimmed_mean', 'tailored_trimmed_mean',
+       lambda x: trimmed_mean(x, M)))
+  def test_tailored_deviates_more_than_lie(self, label, rule):
+    tailored = deviation(attacked(label), rule)
+    self.assertGreater(tailored, deviation(attacked('lie'), rule))
+
+  @parameterized.parameters('krum', 'multi_krum')
+  def test_tailored_krum_is_selected(self, rule):
+    out = attacked(f'tailored_{rule}')
+    mal = out[ATTACKER].astype(np.float64)
+    np.testing.assert_array_equal(mal[0], mal[1])
+    real = out[MASK].astype(np.float64)
+    is_mal = ATTACKER[MASK]
+    scores = krum_scores(real, M)
+    mal_score = scores[is_mal].min()
+    if rule == 'krum':   # Selected, up to float32 rounding at the boundary.
+      self.assertLessEqual(mal_score, scores[~is_mal].min() * (1 + 1e-4))
+    else:                # Both copies among the n - f kept.
+      kept = np.sum(scores[~is_mal] < mal_score * (1 - 1e-4)) + M
+      self.assertLessEqual(kept, N - M)
+    # And it is a real move away from the benign mean.
+    self.assertGreater(np.linalg.norm(mal[0] - benign_rows().mean(0)), 0.1)
+
+  def test_tailored_custom_rule_against_the_mean(self):
+    def masked_mean(x, mask):
+      w = mask.astype(x.dtype)
+      return jnp.sum(jnp.where(mask[:, None], x, 0.0), 0) / jnp.sum(w)
+
+    attack = get_model_attack('agr_tailored', rule='custom',
+                              aggregate_fn=masked_mean)
+    out = np.asarray(jax.jit(attack.apply)(UPDATES, MALICIOUS, MASK, KEY))
+    b = benign_rows()
+    gamma = recover_gamma(out[0].astype(np.float64), b.mean(0),
+                          direction('std', b))
+    # The mean's deviation grows without bound in gamma: the search climbs
+    # to its cap, 2 * gamma_init.
+    self.assertGreater(gamma, 19.9)
+
+  def test_fang_trim_values_lie_in_their_intervals(self):
+    b = benign_rows()
+    w_max, w_min = b.max(0), b.min(0)
+    up = np.sign(b.mean(0)) < 0
+    lo = np.where(up, w_max, w_min)
+    hi = np.where(up, np.where(w_max > 0, 2 * w_max, w_max / 2),
+                  np.where(w_min > 0, w_min / 2, 2 * w_min))
+    mal = attacked('fang_trim')[ATTACKER].astype(np.float64)
+    tol = 1e-6
+    self.assertTrue(np.all(mal >= np.minimum(lo, hi) - tol))
+    self.assertTrue(np.all(mal <= np.maximum(lo, hi) + tol))
+    self.assertFalse(np.allclose(mal[0], mal[1]))   # Independent draws.
+
+  def test_fang_krum_is_selected_by_krum(self):
+    out = attacked('fang_krum')
+    mal = out[ATTACKER].astype(np.float64)
+    np.testing.assert_array_equal(mal[0], mal[1])
+    s = np.sign(benign_rows().mean(0))
+    lam = -mal[0] / s
+    np.testing.assert_allclose(lam, lam[0], rtol=1e-6)   # 0 - lambda s.
+    self.assertGreater(lam[0], 0.0)
+    real = out[MASK].astype(np.float64)
+    self.assertTrue(ATTACKER[MASK][np.argmin(krum_scores(real, M))])
+
+  def test_fang_krum_benign_mean_reference(self):
+    out = np.asarray(fang_krum(reference='benign_mean').apply(
+        UPDATES, MALICIOUS, MASK, KEY))
+    b = benign_rows()
+    lam = (b.mean(0) - out[0]) / np.sign(b.mean(0))
+    np.testing.assert_allclose(lam, lam[0], rtol=1e-4)
+    real = out[MASK].astype(np.float64)
+    self.assertTrue(ATTACKER[MASK][np.argmin(krum_scores(real, M))])
+
+
+if __name__ == '__main__':
+  absltest.main()

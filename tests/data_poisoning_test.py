@@ -1,0 +1,120 @@
+"""Tests for fedrobust.attacks.data_poisoning and the round's threat hook."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust import attacks, engine
+from fedrobust.attacks import data_poisoning as dp
+from fedrobust.engine.round import detection_counts, malicious_slots
+
+SHAPE = (28, 28, 1)
+
+
+def batch(n=8, seed=0):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.integers(0, 200, (n, *SHAPE), dtype=np.uint8)),
+          jnp.asarray(rng.integers(0, 10, n), jnp.int32),
+          jnp.arange(n, dtype=jnp.int32))
+
+
+class TriggerTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ('top_left', (0, 0)), ('top_right', (0, 22)), ('bottom_left', (26, 0)),
+      ('bottom_right', (26, 22)), ('center', (13, 11)))
+  def test_trigger_location(self, location, origin):
+    mask = dp.trigger_mask(dp.Trigger(2, 6, location), SHAPE)[..., 0]
+    rows, cols = np.nonzero(mask)
+    self.assertEqual((rows.min(), cols.min()), origin)
+    self.assertEqual(mask.sum(), 12)
+
+  def test_dba_pieces_tile_the_trigger(self):
+    trigger = dp.Trigger(2, 6)
+    pieces = [dp.trigger_mask(trigger, SHAPE, piece=i, num_pieces=4)
+              for i in range(4)]
+    np.testing.assert_array_equal(np.sum(pieces, axis=0),
+                                  dp.trigger_mask(trigger, SHAPE))
+
+  def test_bad_trigger_flags(self):
+    with self.assertRaisesRegex(ValueError, '--trigger_size'):
+      dp.parse_trigger_size('2by6')
+    with self.assertRaisesRegex(ValueError, '--trigger_size=30x6'):
+      dp.trigger_mask(dp.Trigger(30, 6), SHAPE)
+    with self.assertRaisesRegex(ValueError, '--poison_fraction'):
+      dp.badnets(image_shape=SHAPE, poison_fraction=0.0)
+
+
+class PoisonTest(absltest.TestCase):
+
+  def test_badnets_poisons_a_fixed_fraction(self):
+    x, y, rows = batch()
+    poison = dp.badnets(image_shape=SHAPE, target_label=2,
+                        poison_fraction=0.5)
+    px, py = jax.jit(poison.apply)(x, y, rows, jnp.int32(8), jnp.int32(0))
+    hit = np.arange(8) < 4
+    np.testing.assert_array_equal(py[hit], 2)
+    np.testing.assert_array_equal(py[~hit], y[~hit])
+    np.testing.assert_array_equal(px[~hit], x[~hit])
+    np.testing.assert_array_equal(px[hit, :2, :6], 255)
+    np.testing.assert_array_equal(px[hit, 2:], x[hit, 2:])
+
+  def test_label_flip(self):
+    x, y, rows = batch()
+    sym = dp.label_flip(num_classes=10)
+    _, fy = sym.apply(x, y, rows, jnp.int32(8), jnp.int32(0))
+    np.testing.assert_array_equal(fy, 9 - y)
+    pair = dp.label_flip(num_classes=10, source_label=int(y[0]),
+                         target_label=7)
+    _, py = pair.apply(x, y, rows, jnp.int32(8), jnp.int32(0))
+    np.testing.assert_array_equal(py, np.where(y == y[0], 7, y))
+
+  def test_triggered_test_set_excludes_target_class(self):
+    x = np.zeros((6, *SHAPE), np.uint8)
+    y = np.array([0, 2, 1, 2, 3, 4], np.int32)
+    tx, ty = dp.triggered_test_set(x, y, 'badnets', target_label=2)
+    self.assertLen(tx, 4)
+    np.testing.assert_array_equal(ty, 2)
+    self.assertTrue(np.all(tx[:, :2, :6] == 255))
+
+  def test_registry(self):
+    self.assertContainsSubset({'badnets', 'dba', 'blended', 'label_flip',
+                               'lie', 'min_max'}, set(attacks.ATTACKS))
+
+
+class ThreatHookTest(absltest.TestCase):
+
+  def test_malicious_slots_fixed_and_start_round(self):
+    threat = engine.Threat(malicious=jnp.array([False, True, False, True]),
+                           num_malicious=2, start_round=3)
+    ids = jnp.array([1, 2, 3, 0])
+    mask = jnp.array([True, True, False, False])
+    before, _ = malicious_slots(jax.random.key(0), ids, mask, threat, 4,
+                                jnp.int32(2))
+    after, rank = malicious_slots(jax.random.key(0), ids, mask, threat, 4,
+                                  jnp.int32(3))
+    np.testing.assert_array_equal(before, [0, 0, 0, 0])
+    np.testing.assert_array_equal(after, [1, 0, 0, 0])  # id 3 is masked
+    np.testing.assert_array_equal(rank[:1], [0])
+
+  def test_resampled_set_has_the_right_size(self):
+    threat = engine.Threat(malicious=None, num_malicious=3)
+    ids = jnp.arange(10)
+    is_mal, _ = malicious_slots(jax.random.key(1), ids, jnp.ones(10, bool),
+                                threat, 10, jnp.int32(1))
+    self.assertEqual(int(is_mal.sum()), 3)
+
+  def test_detection_counts(self):
+    counts = detection_counts(jnp.array([0.0, 0.5, 0.0, 0.5, 0.0]),
+                              jnp.array([True, True, False, False, False]),
+                              jnp.array([True, True, True, True, False]))
+    chex.assert_trees_all_equal(
+        {k: float(v) for k, v in counts.items()},
+        {'det_tp': 1.0, 'det_fp': 1.0, 'det_fn': 1.0, 'det_tn': 1.0})
+
+
+if __name__ == '__main__':
+  absltest.main()
