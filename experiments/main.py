@@ -24,7 +24,7 @@ from fedrobust.aggregators import AGGREGATORS
 from fedrobust.attacks import ATTACKS
 from fedrobust.data import DATASETS, PARTITIONERS
 from fedrobust.engine.execution import STRATEGIES
-from fedrobust.methods import METHODS
+from fedrobust.methods import METHOD_DEFAULTS, METHODS
 from fedrobust.models import CONV_IMPLS, MODELS
 
 flags.DEFINE_enum('method', 'fedavg', sorted(METHODS), 'Federated method.')
@@ -116,6 +116,22 @@ flags.DEFINE_integer('flip_source_label', -1, 'Label flip: -1 flips every '
                      'label y -> classes-1-y; >= 0 flips this class to '
                      '--backdoor_target_label.')
 flags.DEFINE_float('blend_alpha', 0.2, 'Blended-trigger opacity.')
+# SDFC (--method=sdfc; a bare --method=sdfc uses the paper's setting).
+flags.DEFINE_float('sdfc_lambda', 5.0, 'lambda of FDReg (Eq. 9); the '
+                   'released config uses 1.')
+flags.DEFINE_enum('sdfc_components', 'both', ['both', 'fdreg', 'fdagg'],
+                  'Table 3 ablation.')
+flags.DEFINE_enum('sdfc_importance', 'fisher', ['fisher', 'abs_grad'],
+                  'Table 2 ablation: squared or absolute gradients.')
+flags.DEFINE_enum('sdfc_stiffness', 'diff', ['diff', 'local', 'validation'],
+                  'Table 4 ablation: H = |M(D)-M(U)|, M(D) or M(U).')
+flags.DEFINE_enum('sdfc_fisher', 'per_example',
+                  ['per_example', 'batch_mean_squared'],
+                  'Fisher estimator; batch_mean_squared squares the batch-'
+                  'mean gradient as the released code does.')
+flags.DEFINE_boolean('distributed', False, 'Call jax.distributed.initialize() '
+                     'first (multi-host TPU/GPU; untested here, see '
+                     'BUILD_NOTES.md).')
 flags.DEFINE_boolean('overwrite', False, 'Discard an existing run in '
                      '--workdir whose config differs.')
 
@@ -134,7 +150,13 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  if FLAGS.distributed:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.initialize()
   config = {name: FLAGS[name].value for name in train.CONFIG_KEYS}
+  for name, value in METHOD_DEFAULTS.get(FLAGS.method, {}).items():
+    if not FLAGS[name].present:
+      config[name] = value
   try:
     train.run(config)
   except (ValueError, train.ConfigMismatchError,

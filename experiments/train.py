@@ -55,7 +55,8 @@ CONFIG_KEYS = (
     'attack_kwargs', 'malicious_fraction', 'resample_malicious',
     'attack_start_round', 'attacker_knowledge', 'backdoor_target_label',
     'trigger_location', 'trigger_size', 'trigger_value', 'poison_fraction',
-    'flip_source_label', 'blend_alpha')
+    'flip_source_label', 'blend_alpha', 'sdfc_lambda', 'sdfc_components',
+    'sdfc_importance', 'sdfc_stiffness', 'sdfc_fisher')
 
 # Defaults of the threat-model keys, so runs saved before they existed
 # resume (a missing key compares equal to its default).
@@ -66,7 +67,9 @@ THREAT_DEFAULTS = {
     'attack_start_round': 1, 'attacker_knowledge': 'benign_stats',
     'backdoor_target_label': 2, 'trigger_location': 'top_left',
     'trigger_size': '2x6', 'trigger_value': 255, 'poison_fraction': 0.5,
-    'flip_source_label': -1, 'blend_alpha': 0.2}
+    'flip_source_label': -1, 'blend_alpha': 0.2, 'sdfc_lambda': 5.0,
+    'sdfc_components': 'both', 'sdfc_importance': 'fisher',
+    'sdfc_stiffness': 'diff', 'sdfc_fisher': 'per_example'}
 
 # Changing these on resume is not a config change.
 RESUMABLE_KEYS = frozenset({
@@ -311,10 +314,23 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
       test_x=dataset.test_x, test_y=dataset.test_y,
       validation=(setup.validation_x, setup.validation_y),
       apply_fn=model.apply)
+  method_kwargs = {}
+  server_data = ()
+  if config['method'] == 'sdfc':
+    if not config['validation_size']:
+      raise ValueError('--method=sdfc needs a clean validation sample: '
+                       '--validation_fraction > 0 and --validation_size > 0')
+    method_kwargs = dict(
+        lam=config['sdfc_lambda'], components=config['sdfc_components'],
+        importance=config['sdfc_importance'],
+        stiffness=config['sdfc_stiffness'], fisher_mode=config['sdfc_fisher'])
+    server_data = tuple(map(jnp.asarray, pad_to_batches(
+        setup.validation_x, setup.validation_y, config['batch_size'])))
   method = get_method(config['method'], model=model, local=local,
                       optimizer=optimizer, server_lr=config['server_lr'],
                       proximal_mu=config['fedprox_mu'],
-                      aggregator=threat.aggregator, poison=threat.poison)
+                      aggregator=threat.aggregator, poison=threat.poison,
+                      **method_kwargs)
   round_config = RoundConfig(
       num_clients=config['num_clients'],
       clients_per_round=config['clients_per_round'], strategy=strategy,
@@ -327,11 +343,11 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
   data = put(jax.tree.map(jnp.asarray, setup.train))
   test = put(tuple(map(jnp.asarray, setup.test)))
   local_test = put(tuple(map(jnp.asarray, setup.local_test)))
+  server_data = put(server_data)
   triggered = None
   if threat.triggered_test is not None:
     triggered = put(tuple(map(jnp.asarray, pad_to_batches(
         *threat.triggered_test, config['eval_batch_size']))))
-  server_data = ()
 
   init_key = jax.random.key(config['seed'])
   state = put(init_server_state(method, model.init(init_key),

@@ -358,12 +358,12 @@ class ValidationTest(parameterized.TestCase):
 
   @parameterized.parameters(
       ('median', {'num_byzantine': -1}, '--num_byzantine'),
-      ('multi_krum', {'num_byzantine': 1, 'm': 0}, '--multi_krum_m'),
-      ('geometric_median', {'iters': 0}, '--gm_iters'),
-      ('centered_clipping', {'tau': 0.0}, '--cc_tau'),
-      ('norm_bounding', {'max_norm': -1.0}, '--norm_bound'),
+      ('multi_krum', {'num_byzantine': 1, 'm': 0}, '--aggregator_kwargs m'),
+      ('geometric_median', {'iters': 0}, '--aggregator_kwargs iters'),
+      ('centered_clipping', {'tau': 0.0}, '--aggregator_kwargs tau'),
+      ('norm_bounding', {'max_norm': -1.0}, '--aggregator_kwargs max_norm'),
       ('dnc', {'num_byzantine': 1, 'subsample_dim': 0},
-       '--dnc_subsample_dim'),
+       '--aggregator_kwargs subsample_dim'),
   )
   def test_bad_hparams_name_the_flag(self, name, kwargs, flag):
     with self.assertRaisesRegex(ValueError, flag):

@@ -233,3 +233,44 @@ class StrategyTest(parameterized.TestCase):
 
 if __name__ == '__main__':
   absltest.main()
+
+
+class ModelAttackHookTest(absltest.TestCase):
+
+  def test_attack_replaces_only_malicious_deltas(self):
+    """Sign-flipping client 1 of 3 under the mean: the server step equals
+    the NumPy mean of (d0, -d1, d2) computed from the honest round."""
+    from fedrobust import aggregators, attacks  # pylint: disable=g-import-not-at-top
+    model = linear_model()
+    data = toy_data([4, 4, 4], 4)
+    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
+    method = get_method('fedavg', model=model, local=local,
+                        optimizer=engine.sgd(learning_rate=0.1),
+                        aggregator=aggregators.get_aggregator(
+                            'mean', num_byzantine=1))
+    config = engine.RoundConfig(num_clients=3, clients_per_round=3,
+                                strategy='vmap')
+    state = engine.init_server_state(method, model.init(jax.random.key(0)),
+                                     3, seed=0)
+    honest = engine.make_round_step(method, config)
+    threat = engine.Threat(
+        malicious=jnp.array([False, True, False]), num_malicious=1,
+        model_attack=attacks.get_model_attack('sign_flip').apply)
+    attacked = engine.make_round_step(method, config, threat=threat)
+    # Per-client deltas of the honest round, from client_update directly.
+    key = jax.random.split(jax.random.wrap_key_data(state.key), 6)[2]
+    deltas = []
+    for c in range(3):
+      out = method.client_update(
+          state.params, (), LocalData(data.x, data.y, jnp.int32(c),
+                                      data.count[c]),
+          jax.random.fold_in(key, c), ())
+      deltas.append(out.delta)
+    expected = jax.tree.map(
+        lambda p, a, b, c: p + (a - b + c) / 3, state.params, *deltas)
+    new_state, metrics = jax.jit(attacked)(state, data, ())
+    chex.assert_trees_all_close(new_state.params, expected, rtol=1e-5,
+                                atol=1e-6)
+    self.assertEqual(float(metrics['num_attacking']), 1.0)
+    plain, _ = jax.jit(honest)(state, data, ())
+    self.assertFalse(np.allclose(plain.params['w'], new_state.params['w']))

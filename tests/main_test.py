@@ -112,6 +112,27 @@ class EndToEndTest(absltest.TestCase):
     with open(os.path.join(split, 'metrics.jsonl')) as f:
       self.assertEqual([json.loads(l)['round'] for l in f], [1, 2, 3, 4])
 
+  def test_sdfc_client_state_survives_resume(self):
+    sdfc = dict(method='sdfc', attack='badnets', malicious_fraction=0.25,
+                validation_fraction=0.1, validation_size=16,
+                clients_per_round=0)
+    straight = train.run(base_config(self.data_dir,
+                                     self.create_tempdir().full_path,
+                                     num_rounds=3, checkpoint_every=3,
+                                     **sdfc))
+    split = self.create_tempdir().full_path
+    train.run(base_config(self.data_dir, split, num_rounds=2, **sdfc))
+    resumed = train.run(base_config(self.data_dir, split, num_rounds=3,
+                                    **sdfc))
+    self.assertEqual(resumed['params_sha256'], straight['params_sha256'])
+    with open(os.path.join(split, 'metrics.jsonl')) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertIn('weight_malicious', rows[-1])
+    self.assertIn('fisher_discrepancy', rows[-1])
+    # Every client trains every round, so round 3 reads each client's
+    # stored w^{t-1}_k and H_k: a lost or reset state would change the hash.
+    self.assertGreater(rows[-1]['fdreg_penalty'], 0.0)
+
   def test_changed_config_is_refused_unless_overwrite(self):
     workdir = self.create_tempdir().full_path
     train.run(base_config(self.data_dir, workdir, num_rounds=1))

@@ -152,7 +152,7 @@ def _multi_krum(name: str, f: int, m: int | None) -> Aggregator:
     x, like, mask, finite, valid = _prepare(name, updates, mask, f)
     c = x.shape[0]
     if m is not None and m > c:
-      raise ValueError(f'--multi_krum_m={m} exceeds the C={c} client slots '
+      raise ValueError(f'--aggregator_kwargs m={m} exceeds the C={c} client slots '
                        f'of a round (--aggregator={name})')
     n = jnp.sum(mask)
     score, tie = krum_scores(pairwise_sq_dists(x, valid), valid, n, f)
@@ -194,7 +194,7 @@ def multi_krum(*, num_byzantine: int, m: int | None = None) -> Aggregator:
   f = check_num_byzantine('multi_krum', num_byzantine)
   if m is not None and (isinstance(m, bool) or not isinstance(m, int) or
                         m < 1):
-    raise ValueError(f'--multi_krum_m must be a positive int or unset, got '
+    raise ValueError(f'--aggregator_kwargs m must be a positive int or unset, got '
                      f'{m!r}')
   return _multi_krum('multi_krum', f, m)
 

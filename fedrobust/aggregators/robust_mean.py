@@ -114,8 +114,8 @@ def geometric_median(*, num_byzantine: int = 0, iters: int = 8,
     An Aggregator; info['weights'] as in the module docstring.
   """
   f = check_num_byzantine('geometric_median', num_byzantine)
-  _positive_int('--gm_iters', iters)
-  _positive('--gm_eps', eps)
+  _positive_int('--aggregator_kwargs iters', iters)
+  _positive('--aggregator_kwargs eps', eps)
 
   def aggregate(updates, mask, state, key):
     """updates: leaves [C, ...]; mask: bool[C] -> one client's tree."""
@@ -156,8 +156,8 @@ def centered_clipping(*, num_byzantine: int = 0, tau: float = 10.0,
     real client the output is zeros and the state is kept.
   """
   f = check_num_byzantine('centered_clipping', num_byzantine)
-  _positive('--cc_tau', tau)
-  _positive_int('--cc_iters', iters)
+  _positive('--aggregator_kwargs tau', tau)
+  _positive_int('--aggregator_kwargs iters', iters)
 
   def init(params):
     return jax.tree.map(jnp.zeros_like, params)
@@ -208,7 +208,7 @@ def norm_bounding(*, num_byzantine: int = 0,
   """
   f = check_num_byzantine('norm_bounding', num_byzantine)
   if max_norm is not None:
-    _positive('--norm_bound', max_norm)
+    _positive('--aggregator_kwargs max_norm', max_norm)
 
   def aggregate(updates, mask, state, key):
     """updates: leaves [C, ...]; mask: bool[C] -> one client's tree."""

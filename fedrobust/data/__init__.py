@@ -3,7 +3,7 @@
 from fedrobust.data.federated import (EvalSet, FederatedSetup,
                                       build_federated_setup, stack_clients,
                                       stack_eval_sets, subsample)
-from fedrobust.data.partition import PARTITIONERS, class_histograms, partition
+from fedrobust.data.partition import PARTITIONERS, class_histograms
 from fedrobust.data.sources import (DATASETS, DEFAULT_FASHION_MNIST_DIR,
                                     DataNotFoundError, Dataset, load_dataset)
 from fedrobust.data.splits import (ServerSplits, local_train_test_split,

@@ -1,0 +1,180 @@
+r"""Runs a grid of experiments/main.py invocations and tabulates them.
+
+  python experiments/sweep.py --name=backdoor_fmnist \
+    --base_flagfile=experiments/configs/threat_backdoor.flags \
+    --grid='aggregator=weighted_mean,median,krum' \
+    --metrics=test_accuracy,attack_success_rate
+
+Grid syntax: 'flag=v1,v2;flag2=v3,v4' (cartesian product). Each cell runs
+in its own subprocess and workdir (runs/sweeps/<name>/<cell>); a finished
+cell is skipped and an interrupted one resumes, so re-running the same
+command only does the missing work. A cell whose flags are refused (e.g.
+Krum with n < 2f+3) is recorded with the error instead of a number.
+
+Outputs in --out: <name>.csv, <name>.md and <name>.png (bar plot of the
+first metric). Final values are means over the last --last_k evaluated
+rounds (SDFC reports the mean of the last five).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+flags.DEFINE_string('name', None, 'Sweep name (file and directory names).')
+flags.DEFINE_string('base_flagfile', None, 'Flagfile shared by every cell.')
+flags.DEFINE_string('base_flags', '', 'Extra flags shared by every cell, '
+                    'space separated.')
+flags.DEFINE_string('grid', '', "'flag=v1,v2;flag2=v3'.")
+flags.DEFINE_string('metrics', 'test_accuracy', 'Comma-separated metrics.')
+flags.DEFINE_integer('last_k', 1, 'Average the metrics over the last k '
+                     'evaluated rounds.')
+flags.DEFINE_string('out', os.path.join(ROOT, 'experiments', 'results'),
+                    'Directory for the table, CSV and plot.')
+flags.DEFINE_string('runs_dir', os.path.join(ROOT, 'runs', 'sweeps'),
+                    'Parent of the cell workdirs.')
+flags.DEFINE_boolean('dry_run', False, 'Print the cells and exit.')
+flags.mark_flags_as_required(['name'])
+FLAGS = flags.FLAGS
+
+
+def parse_grid(text: str) -> list[dict[str, str]]:
+  """'a=1,2;b=x' -> [{'a': '1', 'b': 'x'}, {'a': '2', 'b': 'x'}]."""
+  axes = []
+  for part in filter(None, (p.strip() for p in text.split(';'))):
+    if '=' not in part:
+      raise ValueError(f'--grid part {part!r} is not flag=v1,v2')
+    key, values = part.split('=', 1)
+    axes.append((key.strip().lstrip('-'),
+                 [v.strip() for v in values.split(',')]))
+  keys = [k for k, _ in axes]
+  return [dict(zip(keys, combo))
+          for combo in itertools.product(*(v for _, v in axes))]
+
+
+def cell_name(cell: dict[str, str]) -> str:
+  text = '_'.join(f'{k}-{v}' for k, v in cell.items()) or 'base'
+  return ''.join(ch if ch.isalnum() or ch in '-_.' else '_' for ch in text)
+
+
+def read_final(workdir: str, metrics: list[str], last_k: int
+               ) -> dict[str, float | None]:
+  rows = []
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  out = {}
+  for m in metrics:
+    values = [r[m] for r in rows[-last_k:] if r.get(m) is not None]
+    out[m] = sum(values) / len(values) if values else None
+  return out
+
+
+def finished(workdir: str) -> bool:
+  path = os.path.join(workdir, 'summary.json')
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    summary = json.load(f)
+  return summary['rounds_completed'] >= summary['config']['num_rounds']
+
+
+def run_cell(cell: dict[str, str], workdir: str) -> tuple[str, str]:
+  """Runs (or resumes) one cell; returns (status, message)."""
+  cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'main.py')]
+  if FLAGS.base_flagfile:
+    cmd.append(f'--flagfile={FLAGS.base_flagfile}')
+  cmd += FLAGS.base_flags.split()
+  cmd += [f'--{k}={v}' for k, v in cell.items()]
+  cmd.append(f'--workdir={workdir}')
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+  if proc.returncode == 0:
+    return 'ok', ''
+  lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  message = lines[-1][len('error: '):] if lines else proc.stderr[-500:]
+  return ('refused' if proc.returncode == 2 else 'failed'), message
+
+
+def write_outputs(name: str, results: list[dict], keys: list[str],
+                  metrics: list[str]) -> None:
+  os.makedirs(FLAGS.out, exist_ok=True)
+  with open(os.path.join(FLAGS.out, f'{name}.csv'), 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=keys + metrics + ['status',
+                                                            'note'])
+    writer.writeheader()
+    for r in results:
+      writer.writerow({k: r.get(k) for k in keys + metrics + ['status',
+                                                               'note']})
+  fmt = lambda v: '' if v is None else (f'{100 * v:.2f}' if isinstance(
+      v, float) else str(v))
+  lines = ['| ' + ' | '.join(keys + metrics) + ' |',
+           '|' + '---|' * (len(keys) + len(metrics))]
+  for r in results:
+    cells = [str(r[k]) for k in keys]
+    if r['status'] == 'ok':
+      cells += [fmt(r.get(m)) for m in metrics]
+    else:
+      cells += [f"{r['status']}: {r['note']}"] + [''] * (len(metrics) - 1)
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  with open(os.path.join(FLAGS.out, f'{name}.md'), 'w') as f:
+    f.write(f'<!-- generated by experiments/sweep.py --name={name}; '
+            'metrics in percent -->\n')
+    f.write('\n'.join(lines) + '\n')
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  ok = [r for r in results if r['status'] == 'ok']
+  if not ok:
+    return
+  fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(ok)), 4))
+  width = 0.8 / len(metrics)
+  for i, m in enumerate(metrics):
+    ax.bar([j + i * width for j in range(len(ok))],
+           [100 * (r.get(m) or 0) for r in ok], width, label=m)
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ok))])
+  ax.set_xticklabels(['/'.join(r[k] for k in keys) for r in ok],
+                     rotation=60, ha='right', fontsize=8)
+  ax.set_ylabel('%')
+  ax.legend()
+  ax.set_title(name)
+  fig.tight_layout()
+  fig.savefig(os.path.join(FLAGS.out, f'{name}.png'), dpi=100)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  cells = parse_grid(FLAGS.grid)
+  keys = list(cells[0]) if cells and cells[0] else []
+  metrics = [m.strip() for m in FLAGS.metrics.split(',') if m.strip()]
+  results = []
+  for i, cell in enumerate(cells):
+    workdir = os.path.join(FLAGS.runs_dir, FLAGS.name, cell_name(cell))
+    if FLAGS.dry_run:
+      print(workdir)
+      continue
+    t0 = time.time()
+    if finished(workdir):
+      status, note = 'ok', ''
+    else:
+      status, note = run_cell(cell, workdir)
+    row = dict(cell, status=status, note=note)
+    if status == 'ok':
+      row.update(read_final(workdir, metrics, FLAGS.last_k))
+    results.append(row)
+    print(f'[{i + 1}/{len(cells)}] {cell_name(cell)}: {status} '
+          f'{note[:120]} ({time.time() - t0:.0f}s) '
+          + ' '.join(f'{m}={row.get(m)}' for m in metrics), flush=True)
+    write_outputs(FLAGS.name, results, keys, metrics)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,124 @@
+"""Tests for SDFC: Fisher diagonal, FDAgg weights, FDReg gradient."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust import engine
+from fedrobust.engine.local import classification_loss
+from fedrobust.methods import get_method
+from fedrobust.methods.fisher import fisher_diagonal
+from fedrobust.methods.sdfc import SDFCClientState, fdagg_weights
+from fedrobust.types import LocalData
+from tests.engine_test import NUM_CLASSES, linear_model, toy_data
+
+
+def numpy_grads(params, x, y):
+  """Per-example d log p(y|x) / d(w, b) for softmax regression."""
+  xf = (np.asarray(x, np.float64).reshape(len(y), -1) / 255 - 0.5) / 0.5
+  z = xf @ np.asarray(params['w'], np.float64) + np.asarray(params['b'])
+  p = np.exp(z - z.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  r = np.eye(NUM_CLASSES)[np.asarray(y)] - p      # d log p / d z
+  return xf[:, :, None] * r[:, None, :], r          # [n, 4, 3], [n, 3]
+
+
+class FisherTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.model = linear_model()
+    self.params = self.model.init(jax.random.key(3))
+    data = toy_data([7], 8, seed=5)
+    self.x = data.x[0].reshape(2, 4, 2, 2, 1)
+    self.y = data.y[0].reshape(2, 4)
+    self.mask = (jnp.arange(8) < 7).reshape(2, 4)
+
+  @parameterized.parameters('fisher', 'abs_grad')
+  def test_per_example_matches_numpy(self, importance):
+    gw, gb = numpy_grads(self.params, self.x.reshape(8, 2, 2, 1)[:7],
+                         self.y.reshape(8)[:7])
+    stat = np.square if importance == 'fisher' else np.abs
+    got = jax.jit(lambda p, x, y, m: fisher_diagonal(
+        self.model.apply, p, x, y, m, importance=importance))(
+            self.params, self.x, self.y, self.mask)
+    np.testing.assert_allclose(got['w'], stat(gw).mean(0), rtol=1e-4,
+                               atol=1e-7)
+    np.testing.assert_allclose(got['b'], stat(gb).mean(0), rtol=1e-4,
+                               atol=1e-7)
+
+  def test_batch_mean_squared_matches_numpy(self):
+    gw, gb = numpy_grads(self.params, self.x.reshape(8, 2, 2, 1),
+                         self.y.reshape(8))
+    m = np.asarray(self.mask).reshape(8)
+    batches = [np.arange(4), np.arange(4, 8)]
+    ew = np.mean([np.square(gw[i][m[i]].mean(0)) for i in batches], axis=0)
+    eb = np.mean([np.square(gb[i][m[i]].mean(0)) for i in batches], axis=0)
+    got = fisher_diagonal(self.model.apply, self.params, self.x, self.y,
+                          self.mask, mode='batch_mean_squared')
+    np.testing.assert_allclose(got['w'], ew, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(got['b'], eb, rtol=1e-4, atol=1e-7)
+
+  def test_unknown_variant_names_flag(self):
+    with self.assertRaisesRegex(ValueError, '--sdfc_importance'):
+      fisher_diagonal(self.model.apply, self.params, self.x, self.y,
+                      self.mask, importance='hessian')
+
+
+class FDAggTest(absltest.TestCase):
+
+  def test_weights_match_eq10_by_hand(self):
+    totals = jnp.array([2.0, 6.0, 4.0, 99.0, jnp.nan])
+    mask = jnp.array([True, True, True, False, False])
+    normed = np.array([0.0, 1.0, 0.5])
+    sig = 1 / (1 + np.exp(normed))      # sigmoid(-T^)
+    expected = np.concatenate([sig / sig.sum(), [0.0, 0.0]])
+    np.testing.assert_allclose(fdagg_weights(totals, mask), expected,
+                               rtol=1e-6)
+
+  def test_equal_totals_give_uniform_weights(self):
+    w = fdagg_weights(jnp.array([3.0, 3.0, 3.0, 3.0]), jnp.ones(4, bool))
+    np.testing.assert_allclose(w, 0.25)
+
+
+class FDRegTest(absltest.TestCase):
+
+  def test_one_step_equals_ce_plus_penalty_gradient(self):
+    model = linear_model()
+    data = toy_data([4], 4, seed=2)
+    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
+    lr, lam = 0.1, 5.0
+    method = get_method('sdfc', model=model, local=local,
+                        optimizer=engine.sgd(learning_rate=lr), lam=lam)
+    params = model.init(jax.random.key(0))
+    anchor = jax.tree.map(lambda p: p + 0.3, params)
+    h = jax.tree.map(lambda p: jnp.linspace(0.0, 2.0, p.size).reshape(
+        p.shape), params)
+    state = SDFCClientState(anchor, h, jnp.bool_(True))
+    u = (data.x[0].reshape(1, 4, 2, 2, 1), data.y[0].reshape(1, 4),
+         jnp.ones((1, 4), bool))
+    out = jax.jit(method.client_update)(
+        params, state, LocalData(data.x, data.y, jnp.int32(0), data.count[0]),
+        jax.random.key(1), u)
+    ce_grad = jax.grad(lambda p: classification_loss(model.apply)(
+        p, data.x[0], data.y[0], jnp.ones(4, bool), None)[0])(params)
+    expected = jax.tree.map(
+        lambda g, hh, w, a: -lr * (g + 2 * lam * hh * (w - a)),
+        ce_grad, h, params, anchor)
+    chex.assert_trees_all_close(out.delta, expected, rtol=1e-5, atol=1e-7)
+    self.assertTrue(bool(out.client_state.seen))
+    # First participation: no penalty, so the step is plain CE.
+    fresh = SDFCClientState(anchor, h, jnp.bool_(False))
+    out = jax.jit(method.client_update)(
+        params, fresh, LocalData(data.x, data.y, jnp.int32(0),
+                                 data.count[0]), jax.random.key(1), u)
+    chex.assert_trees_all_close(
+        out.delta, jax.tree.map(lambda g: -lr * g, ce_grad), rtol=1e-5,
+        atol=1e-7)
+
+
+if __name__ == '__main__':
+  absltest.main()
