@@ -426,6 +426,8 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
       line += f" test_acc {row['test_accuracy']:.4f}"
       if row['local_accuracy'] is not None:
         line += f" local_acc {row['local_accuracy']:.4f}"
+      if 'attack_success_rate' in row:
+        line += f" asr {row['attack_success_rate']:.4f}"
     eta = np.mean(round_times[-5:]) * (num_rounds - rnd)
     logging.info('%s eta %.0fs', line, eta)
     if rnd % config['checkpoint_every'] == 0 or rnd == num_rounds:
@@ -433,8 +435,16 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
   checkpointer.close()
 
   final = rows[-1] if rows else {}
+  last5 = {}
+  for key in ('test_accuracy', 'local_accuracy', 'attack_success_rate',
+              'backdoor_failure_rate', 'tradeoff_v'):
+    values = [r[key] for r in rows[-5:] if r.get(key) is not None]
+    if values:
+      last5[key] = float(np.mean(values))
   summary = {
       'final': final,
+      # The SDFC paper reports A, R and V as means over the last 5 rounds.
+      'final_mean_last5': last5,
       'rounds_completed': int(state.round),
       'config': {k: v for k, v in config.items() if k != 'overwrite'},
       'resolved': {'client_execution': strategy, 'chunk_size': chunk_size,

@@ -186,6 +186,16 @@ class EndToEndTest(absltest.TestCase):
     self.assertEqual(last['cumulative_det_tp'] + last['cumulative_det_fp'],
                      14.0)
 
+  def test_server_data_rule_that_tracks_the_model_runs(self):
+    # FLTrust keeps the global params in its state: the donated round state
+    # must not hold the same buffer twice, and the rule reads the server's
+    # validation sample.
+    summary = train.run(base_config(
+        self.data_dir, self.create_tempdir().full_path, aggregator='fltrust',
+        validation_fraction=0.1, validation_size=16, num_rounds=2))
+    self.assertEqual(summary['rounds_completed'], 2)
+    self.assertTrue(np.isfinite(summary['final']['test_accuracy']))
+
   def test_threat_validation_names_flags(self):
     cases = [
         (dict(aggregator='krum', num_byzantine=1, num_clients=4,

@@ -112,8 +112,13 @@ def init_server_state(method: Method, params: Params, num_clients: int,
                       seed: int) -> ServerState:
   key = jax.random.key(seed)
   key, init_key = jax.random.split(key)
+  # A method state may hold the params themselves (rules that track the
+  # global model); copy it so no buffer appears twice when the state is
+  # donated to the round.
+  method_state = jax.tree.map(jnp.copy,
+                              method.init(params, num_clients, init_key))
   return ServerState(round=jnp.zeros((), jnp.int32), params=params,
-                     method_state=method.init(params, num_clients, init_key),
+                     method_state=method_state,
                      key=jax.random.key_data(key))
 
 
