@@ -99,7 +99,12 @@ def run_cell(cell: dict[str, str], workdir: str) -> tuple[str, str]:
   if proc.returncode == 0:
     return 'ok', ''
   lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
-  message = lines[-1][len('error: '):] if lines else proc.stderr[-500:]
+  if lines:
+    message = lines[-1][len('error: '):]
+  else:   # a crash: its last line names the exception
+    tail = [l for l in proc.stderr.splitlines() if l.strip()]
+    message = tail[-1] if tail else f'exit {proc.returncode}'
+  message = message.replace('|', '/')[:300]
   return ('refused' if proc.returncode == 2 else 'failed'), message
 
 
