@@ -113,6 +113,16 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
         raise ValueError(f'--aggregator={name} needs server data: set '
                          '--validation_fraction and --validation_size > 0')
       agg_kwargs.update(server_data=validation, apply_fn=apply_fn)
+    if name in ('fltrust', 'finetune'):
+      # The server trains on U the way a client trains on its data: same
+      # optimizer, batch size and number of epochs (FLTrust Alg. 1).
+      v = len(validation[1])
+      steps = -(-v // config['batch_size']) * config['local_epochs']
+      for key, value in (('server_lr', config['local_lr']),
+                         ('server_momentum', config['momentum']),
+                         ('server_batch_size', config['batch_size']),
+                         ('server_steps', steps)):
+        agg_kwargs.setdefault(key, value)
     if name in aggregators.SLOT_HISTORY_RULES:
       if c != k:
         raise ValueError(f'--aggregator={name} keeps per-slot history and '

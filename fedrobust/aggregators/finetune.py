@@ -133,8 +133,9 @@ def check_server_data(server_data: Any, rule: str) -> tuple[jax.Array,
 
 
 def make_server_sgd(server_data: Any, apply_fn: ApplyFn, *, rule: str,
-                    learning_rate: float, steps: int,
-                    batch_size: int) -> Callable[[Params, jax.Array], Params]:
+                    learning_rate: float, steps: int, batch_size: int,
+                    momentum: float = 0.0
+                    ) -> Callable[[Params, jax.Array], Params]:
   """train(params, key) -> params after `steps` SGD steps on U.
 
   Batches are drawn as in client training (engine.local.make_batch_plan):
@@ -146,9 +147,10 @@ def make_server_sgd(server_data: Any, apply_fn: ApplyFn, *, rule: str,
     server_data: (x uint8[V, H, W, Ch], y int32[V]).
     apply_fn: (params, x float[N, H, W, Ch]) -> logits float[N, classes].
     rule: name used in error messages.
-    learning_rate: plain SGD step size (no momentum).
+    learning_rate: SGD step size.
     steps: S >= 1.
     batch_size: B >= 1.
+    momentum: heavy-ball momentum (0: plain SGD).
 
   Returns:
     A pure, jittable function.
@@ -170,7 +172,7 @@ def make_server_sgd(server_data: Any, apply_fn: ApplyFn, *, rule: str,
   data = LocalData(x=x[None], y=y[None], client_id=jnp.int32(0),
                    count=jnp.int32(v))
   loss_fn = classification_loss(apply_fn)
-  optimizer = sgd(learning_rate=learning_rate)
+  optimizer = sgd(learning_rate=learning_rate, momentum=momentum)
 
   def train(params: Params, key: jax.Array) -> Params:
     plan_key, step_key = jax.random.split(key)
@@ -194,7 +196,8 @@ class FinetuneState(NamedTuple):
 
 def finetune(*, num_byzantine: int, server_data: Any, apply_fn: ApplyFn,
              server_lr: float = 0.01, server_steps: int = 10,
-             server_batch_size: int = 32) -> Aggregator:
+             server_batch_size: int = 32,
+             server_momentum: float = 0.0) -> Aggregator:
   """Mean aggregation followed by S SGD steps on the server's clean set.
 
   Clients with a non-finite update get weight 0. If fine-tuning produces a
@@ -214,6 +217,7 @@ def finetune(*, num_byzantine: int, server_data: Any, apply_fn: ApplyFn,
     server_steps: S, mini-batch steps on U (default 10, about three
       epochs of a 100-example set at B = 32).
     server_batch_size: B.
+    server_momentum: SGD momentum of the server's training (0: plain SGD).
 
   Returns:
     Aggregator whose state is FinetuneState (params tracked as in
@@ -222,7 +226,8 @@ def finetune(*, num_byzantine: int, server_data: Any, apply_fn: ApplyFn,
   del num_byzantine
   train = make_server_sgd(server_data, apply_fn, rule='finetune',
                           learning_rate=server_lr, steps=server_steps,
-                          batch_size=server_batch_size)
+                          batch_size=server_batch_size,
+                          momentum=server_momentum)
 
   def init(params):
     return FinetuneState(params=params)

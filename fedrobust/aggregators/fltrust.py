@@ -49,7 +49,8 @@ class FLTrustState(NamedTuple):
 
 def fltrust(*, num_byzantine: int, server_data: Any, apply_fn: ApplyFn,
             server_lr: float = 0.01, server_steps: int = 1,
-            server_batch_size: int = 32) -> Aggregator:
+            server_batch_size: int = 32,
+            server_momentum: float = 0.0) -> Aggregator:
   """FLTrust aggregation.
 
   Args:
@@ -61,6 +62,7 @@ def fltrust(*, num_byzantine: int, server_data: Any, apply_fn: ApplyFn,
       the paper).
     server_steps: S, local iterations on U (the paper's default R = 1).
     server_batch_size: B.
+    server_momentum: SGD momentum of the server's training (0: plain SGD).
 
   Returns:
     Aggregator with state FLTrustState. info: 'weights' float32[C] (the
@@ -69,7 +71,8 @@ def fltrust(*, num_byzantine: int, server_data: Any, apply_fn: ApplyFn,
   del num_byzantine
   train = make_server_sgd(server_data, apply_fn, rule='fltrust',
                           learning_rate=server_lr, steps=server_steps,
-                          batch_size=server_batch_size)
+                          batch_size=server_batch_size,
+                          momentum=server_momentum)
 
   def init(params):
     return FLTrustState(params=params)
