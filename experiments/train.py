@@ -170,7 +170,7 @@ def device_info() -> dict[str, Any]:
 
 def _write_json(path: str, obj: Any) -> None:
   tmp = path + '.tmp'
-  with open(path + '.tmp', 'w') as f:
+  with open(tmp, 'w') as f:
     json.dump(obj, f, indent=2, sort_keys=True)
     f.flush()
     os.fsync(f.fileno())

@@ -40,6 +40,14 @@ def _check_num_clients(num_clients: int, n: int) -> None:
     )
 
 
+def _check_min_size(num_clients: int, min_size: int, n: int) -> None:
+  if min_size * num_clients > n:
+    raise ValueError(
+        f'Cannot give each of --num_clients={num_clients} clients '
+        f'{min_size} examples out of {n}.'
+    )
+
+
 def _as_parts(chunks: list[np.ndarray]) -> list[np.ndarray]:
   """Sorted int64 copies of per-client index chunks."""
   return [np.sort(np.asarray(c, dtype=np.int64)) for c in chunks]
@@ -123,11 +131,7 @@ def dirichlet(
   _check_num_clients(num_clients, len(labels))
   if not alpha > 0:
     raise ValueError(f'--dirichlet_alpha must be > 0, got {alpha}.')
-  if min_size * num_clients > len(labels):
-    raise ValueError(
-        f'Cannot give each of --num_clients={num_clients} clients '
-        f'{min_size} examples out of {len(labels)}.'
-    )
+  _check_min_size(num_clients, min_size, len(labels))
   rng = np.random.default_rng(seed)
   by_class = list(_class_indices(labels, rng).values())
   class_sizes = np.array([len(ix) for ix in by_class], dtype=np.int64)
@@ -294,11 +298,7 @@ def quantity_skew(
   _check_num_clients(num_clients, len(labels))
   if not alpha > 0:
     raise ValueError(f'--quantity_alpha must be > 0, got {alpha}.')
-  if min_size * num_clients > len(labels):
-    raise ValueError(
-        f'Cannot give each of --num_clients={num_clients} clients '
-        f'{min_size} examples out of {len(labels)}.'
-    )
+  _check_min_size(num_clients, min_size, len(labels))
   rng = np.random.default_rng(seed)
   sizes = _skewed_sizes(len(labels), num_clients, alpha, min_size, rng)
   perm = rng.permutation(len(labels))
