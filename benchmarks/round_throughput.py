@@ -6,6 +6,17 @@ r"""Times the compiled FedAvg round on Fashion-MNIST-shaped synthetic data.
 Every client holds exactly local_steps * batch_size examples, so no step is
 padding and samples/s counts real work. Compile time is measured apart
 (lower + compile); the round time is the median over warm rounds.
+
+Side by side with the PyTorch reference (benchmarks/torch_reference.py, the
+sequential per-client loop; needs `pip install -e .[bench]`):
+
+  python benchmarks/round_throughput.py --model=simple_cnn --clients=10 \
+    --local_steps=20 --batch_size=64 --reference=torch --rounds=7
+
+Rounds of the two alternate (jax, torch, jax, torch, ...) so both see the
+same machine load; the table gives each one's median and the ratio.
+--threads=N pins both to N cores: the process's CPU affinity (which sizes
+XLA's CPU thread pool) and torch.set_num_threads(N).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedrobust import engine
+from fedrobust.aggregators import get_aggregator
 from fedrobust.engine.execution import STRATEGIES
 from fedrobust.methods import get_method
 from fedrobust.models import CONV_IMPLS, MODELS, default_conv_impl, get_model
@@ -43,6 +55,13 @@ flags.DEFINE_integer('scan_unroll', 1, 'Local-step scan unroll (0: full).')
 flags.DEFINE_enum('conv_impl', 'auto', ('auto',) + CONV_IMPLS,
                   'Convolution lowering.')
 flags.DEFINE_integer('rounds', 5, 'Warm rounds timed.')
+flags.DEFINE_string('aggregator', 'weighted_mean', 'Server rule '
+                    '(fedrobust.aggregators); the torch reference supports '
+                    'weighted_mean (its mean) and median.')
+flags.DEFINE_enum('reference', 'none', ['none', 'torch'], 'Also time the '
+                  'PyTorch per-client loop, interleaved with ours.')
+flags.DEFINE_integer('threads', 0, 'Pin both frameworks to this many cores '
+                     '(0: all available).')
 flags.DEFINE_boolean('json', False, 'Print one JSON object per strategy.')
 FLAGS = flags.FLAGS
 
@@ -79,18 +98,20 @@ def step_flops(model, batch_size: int) -> float:
   return float((cost or {}).get('flops', float('nan')))
 
 
-def time_round(strategy: str, *, model_name: str, clients: int,
-               local_steps: int, batch_size: int, chunk_size: int,
-               scan_unroll: int, conv_impl: str, rounds: int) -> dict:
-  """Compiles and times one FedAvg round program."""
+def build_round(strategy: str, *, model_name: str, clients: int,
+                local_steps: int, batch_size: int, chunk_size: int,
+                scan_unroll: int, conv_impl: str, aggregator: str = 'weighted_mean'):
+  """Compiles one FedAvg round; returns (run_one_round, info dict)."""
   model = get_model(model_name, num_classes=10, input_shape=(28, 28, 1),
                     conv_impl=conv_impl)
   local = engine.LocalConfig(batch_size=batch_size, num_epochs=1,
                              steps_per_epoch=local_steps,
                              unroll=scan_unroll or local_steps)
+  agg = (None if aggregator == 'weighted_mean' else
+         get_aggregator(aggregator, num_byzantine=0))
   method = get_method('fedavg', model=model, local=local,
                       optimizer=engine.sgd(learning_rate=0.01, momentum=0.9,
-                                           weight_decay=1e-5))
+                                           weight_decay=1e-5), aggregator=agg)
   if strategy == 'chunked' and not chunk_size:
     chunk_size = min(clients, 8)
   config = engine.RoundConfig(num_clients=clients, clients_per_round=clients,
@@ -106,27 +127,69 @@ def time_round(strategy: str, *, model_name: str, clients: int,
   compile_seconds = time.perf_counter() - t0
   state, _ = compiled(state, data, ())           # first run: allocations
   jax.block_until_ready(state)
-  times = []
-  for _ in range(rounds):
+  box = [state]
+
+  def run_one() -> float:
     t0 = time.perf_counter()
-    state, metrics = compiled(state, data, ())
-    jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - t0)
-  round_seconds = statistics.median(times)
-  samples = clients * local_steps * batch_size
-  return {
+    box[0], metrics = compiled(box[0], data, ())
+    jax.block_until_ready((box[0], metrics))
+    return time.perf_counter() - t0
+
+  info = {
       'model': model_name, 'clients': clients, 'local_steps': local_steps,
       'batch_size': batch_size, 'client_execution': strategy,
       'chunk_size': chunk_size if strategy == 'chunked' else None,
       'scan_unroll': scan_unroll, 'conv_impl': conv_impl,
-      'samples_per_second': samples / round_seconds,
-      'round_seconds': round_seconds, 'compile_seconds': compile_seconds,
-      'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                     / 1024,
+      'aggregator': aggregator, 'compile_seconds': compile_seconds,
       'flops_per_round': step_flops(model, batch_size) * clients * local_steps,
       'backend': jax.default_backend(),
       'device_kind': jax.devices()[0].device_kind,
   }
+  return run_one, info
+
+
+def peak_rss_mb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def time_round(strategy: str, *, rounds: int, **kwargs) -> dict:
+  """Compiles and times one FedAvg round program (median of warm rounds)."""
+  run_one, info = build_round(strategy, **kwargs)
+  round_seconds = statistics.median(run_one() for _ in range(rounds))
+  samples = info['clients'] * info['local_steps'] * info['batch_size']
+  return dict(info, samples_per_second=samples / round_seconds,
+              round_seconds=round_seconds, peak_rss_mb=peak_rss_mb())
+
+
+def side_by_side(strategy: str, *, rounds: int, **kwargs) -> dict:
+  """Our round and the torch reference's, alternating; medians and ratio."""
+  from benchmarks import torch_reference  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  if kwargs['aggregator'] not in ('weighted_mean', 'median'):
+    raise ValueError('--reference=torch supports --aggregator=weighted_mean '
+                     f"or median, not {kwargs['aggregator']!r}")
+  if FLAGS.threads:
+    torch.set_num_threads(FLAGS.threads)
+  run_one, info = build_round(strategy, **kwargs)
+  reference = torch_reference.Round(
+      kwargs['model_name'], kwargs['clients'], kwargs['local_steps'],
+      kwargs['batch_size'],
+      aggregation='mean' if kwargs['aggregator'] == 'weighted_mean'
+      else 'median')
+  reference()                                    # warm-up (allocator)
+  ours, theirs = [], []
+  for _ in range(rounds):
+    ours.append(run_one())
+    theirs.append(reference())
+  samples = reference.samples
+  t_ours, t_torch = statistics.median(ours), statistics.median(theirs)
+  return dict(info, samples_per_second=samples / t_ours,
+              round_seconds=t_ours, torch_samples_per_second=samples / t_torch,
+              torch_round_seconds=t_torch, speedup_vs_torch=t_torch / t_ours,
+              torch_version=torch.__version__,
+              torch_threads=torch.get_num_threads(),
+              cpu_affinity=len(os.sched_getaffinity(0)),
+              peak_rss_mb=peak_rss_mb())
 
 
 def main(argv):
@@ -139,14 +202,20 @@ def main(argv):
     strategies = (FLAGS.client_execution,)
   conv_impl = (default_conv_impl() if FLAGS.conv_impl == 'auto'
                else FLAGS.conv_impl)
+  if FLAGS.threads:
+    cpus = sorted(os.sched_getaffinity(0))
+    if FLAGS.threads > len(cpus):
+      raise app.UsageError(f'--threads={FLAGS.threads}: only {len(cpus)} '
+                           'cores are available')
+    os.sched_setaffinity(0, cpus[:FLAGS.threads])   # before XLA's pool
+  timer = side_by_side if FLAGS.reference == 'torch' else time_round
   results = []
   for strategy in strategies:
-    result = time_round(strategy, model_name=FLAGS.model,
-                        clients=FLAGS.clients, local_steps=FLAGS.local_steps,
-                        batch_size=FLAGS.batch_size,
-                        chunk_size=FLAGS.chunk_size,
-                        scan_unroll=FLAGS.scan_unroll, conv_impl=conv_impl,
-                        rounds=FLAGS.rounds)
+    result = timer(strategy, model_name=FLAGS.model,
+                   clients=FLAGS.clients, local_steps=FLAGS.local_steps,
+                   batch_size=FLAGS.batch_size, chunk_size=FLAGS.chunk_size,
+                   scan_unroll=FLAGS.scan_unroll, conv_impl=conv_impl,
+                   aggregator=FLAGS.aggregator, rounds=FLAGS.rounds)
     results.append(result)
     if FLAGS.json:
       print(json.dumps(result), flush=True)
@@ -158,6 +227,13 @@ def main(argv):
             f"{r['scan_unroll']:>6} {r['samples_per_second']:>10,.0f} "
             f"{r['round_seconds']:>8.3f} {r['compile_seconds']:>9.1f} "
             f"{r['flops_per_round'] / 1e9:>9.2f} {r['peak_rss_mb']:>7.0f}")
+    for r in results:
+      if 'speedup_vs_torch' in r:
+        print(f"torch reference ({r['client_execution']} run): "
+              f"{r['torch_samples_per_second']:,.0f} samples/s, "
+              f"{r['torch_round_seconds']:.3f} s/round, torch "
+              f"{r['torch_version']} on {r['torch_threads']} threads; "
+              f"fedrobust/torch = {r['speedup_vs_torch']:.2f}x")
     print(f"backend: {results[0]['backend']} "
           f"({results[0]['device_kind']})")
 

@@ -5,7 +5,12 @@ r"""Runs a grid of experiments/main.py invocations and tabulates them.
     --grid='aggregator=weighted_mean,median,krum' \
     --metrics=test_accuracy,attack_success_rate
 
-Grid syntax: 'flag=v1,v2;flag2=v3,v4' (cartesian product). Each cell runs
+Grid syntax: 'flag=v1,v2;flag2=v3,v4' (cartesian product). An axis named
+in the --axes JSON file is a named axis: each of its values stands for a
+list of flags, so one axis can mix methods and aggregators, e.g.
+{"defense": {"SDFC": {"flags": ["--method=sdfc"], "paper": "SDFC"},
+             "Median": {"flags": ["--aggregator=median"]}}}
+("paper" is the method's name in the reference file). Each cell runs
 in its own subprocess and workdir (runs/sweeps/<name>/<cell>); a finished
 cell is skipped and an interrupted one resumes, so re-running the same
 command only does the missing work. A cell whose flags are refused (e.g.
@@ -13,7 +18,9 @@ Krum with n < 2f+3) is recorded with the error instead of a number.
 
 Outputs in --out: <name>.csv, <name>.md and <name>.png (bar plot of the
 first metric). Final values are means over the last --last_k evaluated
-rounds (SDFC reports the mean of the last five).
+rounds (SDFC reports the mean of the last five). With --reference=PAPER:TABLE
+the table and CSV put the paper's number beside each of ours (see
+experiments/reference.py); the setting is read from each run's config.
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ import sys
 import time
 
 from absl import app, flags
+
+if __package__ in (None, ''):   # run as a script: make `experiments` importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+from experiments import reference  # pylint: disable=g-import-not-at-top
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,8 +54,16 @@ flags.DEFINE_string('out', os.path.join(ROOT, 'experiments', 'results'),
                     'Directory for the table, CSV and plot.')
 flags.DEFINE_string('runs_dir', os.path.join(ROOT, 'runs', 'sweeps'),
                     'Parent of the cell workdirs.')
+flags.DEFINE_string('runs_name', None, 'Subdirectory of --runs_dir for the '
+                    'cells (default --name); sweeps that share it share '
+                    'their identical cells.')
 flags.DEFINE_string('pivot', '', "'row_flag,col_flag': also write "
                     '<name>_pivot.md with the first metric in a grid.')
+flags.DEFINE_string('axes', None, 'JSON file of named axes: {axis: {value: '
+                    '{"flags": [...], "paper": name}}}.')
+flags.DEFINE_string('reference', None, "'PAPER:TABLE' of "
+                    'experiments/reference/paper_results.csv to print beside '
+                    'our numbers.')
 flags.DEFINE_boolean('dry_run', False, 'Print the cells and exit.')
 flags.mark_flags_as_required(['name'])
 FLAGS = flags.FLAGS
@@ -61,6 +81,43 @@ def parse_grid(text: str) -> list[dict[str, str]]:
   keys = [k for k, _ in axes]
   return [dict(zip(keys, combo))
           for combo in itertools.product(*(v for _, v in axes))]
+
+
+def load_axes(path: str | None) -> dict[str, dict[str, dict]]:
+  if not path:
+    return {}
+  with open(path) as f:
+    axes = json.load(f)
+  for axis, values in axes.items():
+    for value, spec in values.items():
+      if not isinstance(spec, dict) or not isinstance(spec.get('flags'),
+                                                      list):
+        raise ValueError(f'--axes {path}: {axis}={value} needs '
+                         '{"flags": [...]}')
+  return axes
+
+
+def cell_flags(cell: dict[str, str], axes: dict[str, dict[str, dict]]
+               ) -> list[str]:
+  """The main.py flags of one cell; named-axis values expand to theirs."""
+  out = []
+  for key, value in cell.items():
+    if key in axes:
+      if value not in axes[key]:
+        raise ValueError(f'--grid: {key}={value} is not in --axes; known: '
+                         f'{sorted(axes[key])}')
+      out += axes[key][value]['flags']
+    else:
+      out.append(f'--{key}={value}')
+  return out
+
+
+def paper_name(cell: dict[str, str], axes: dict[str, dict[str, dict]]
+               ) -> str | None:
+  for key, value in cell.items():
+    if key in axes and 'paper' in axes[key].get(value, {}):
+      return axes[key][value]['paper']
+  return None
 
 
 def cell_name(cell: dict[str, str]) -> str:
@@ -89,13 +146,13 @@ def finished(workdir: str) -> bool:
   return summary['rounds_completed'] >= summary['config']['num_rounds']
 
 
-def run_cell(cell: dict[str, str], workdir: str) -> tuple[str, str]:
+def run_cell(cell_args: list[str], workdir: str) -> tuple[str, str]:
   """Runs (or resumes) one cell; returns (status, message)."""
   cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'main.py')]
   if FLAGS.base_flagfile:
     cmd.append(f'--flagfile={FLAGS.base_flagfile}')
   cmd += FLAGS.base_flags.split()
-  cmd += [f'--{k}={v}' for k, v in cell.items()]
+  cmd += cell_args
   cmd.append(f'--workdir={workdir}')
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
   if proc.returncode == 0:
@@ -111,29 +168,41 @@ def run_cell(cell: dict[str, str], workdir: str) -> tuple[str, str]:
 
 
 def write_outputs(name: str, results: list[dict], keys: list[str],
-                  metrics: list[str]) -> None:
+                  metrics: list[str], with_paper: bool = False) -> None:
+  """<name>.csv and <name>.md; with_paper adds 'paper_<metric>' columns."""
   os.makedirs(FLAGS.out, exist_ok=True)
+  columns = []
+  for m in metrics:
+    columns += [m, f'paper_{m}'] if with_paper else [m]
+  extra = ['paper_method', 'paper_setting'] if with_paper else []
   with open(os.path.join(FLAGS.out, f'{name}.csv'), 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=keys + metrics + ['status',
-                                                            'note'])
+    fields = keys + columns + ['status', 'note'] + extra
+    writer = csv.DictWriter(f, fieldnames=fields)
     writer.writeheader()
     for r in results:
-      writer.writerow({k: r.get(k) for k in keys + metrics + ['status',
-                                                               'note']})
+      writer.writerow({k: r.get(k) for k in fields})
   fmt = lambda v: '' if v is None else (f'{100 * v:.2f}' if isinstance(
       v, float) else str(v))
-  lines = ['| ' + ' | '.join(keys + metrics) + ' |',
-           '|' + '---|' * (len(keys) + len(metrics))]
+  lines = ['| ' + ' | '.join(keys + columns) + ' |',
+           '|' + '---|' * (len(keys) + len(columns))]
   for r in results:
     cells = [str(r[k]) for k in keys]
     if r['status'] == 'ok':
-      cells += [fmt(r.get(m)) for m in metrics]
+      cells += [fmt(r.get(c)) for c in columns]
     else:
-      cells += [f"{r['status']}: {r['note']}"] + [''] * (len(metrics) - 1)
+      note = f"{r['status']}: {r['note']}"
+      if with_paper:
+        cells += [note if c == columns[0] else fmt(r.get(c))
+                  for c in columns]
+      else:
+        cells += [note] + [''] * (len(columns) - 1)
     lines.append('| ' + ' | '.join(cells) + ' |')
   with open(os.path.join(FLAGS.out, f'{name}.md'), 'w') as f:
     f.write(f'<!-- generated by experiments/sweep.py --name={name}; '
-            'metrics in percent -->\n')
+            'metrics in percent'
+            + (f'; paper_* columns: {FLAGS.reference} of '
+               'experiments/reference/paper_results.csv' if with_paper
+               else '') + ' -->\n')
     f.write('\n'.join(lines) + '\n')
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
@@ -182,14 +251,36 @@ def write_pivot(name: str, results: list[dict], row_key: str, col_key: str,
             f'{metric} (%) -->\n' + '\n'.join(lines) + '\n')
 
 
+def paper_columns(cell: dict[str, str], workdir: str,
+                  axes: dict[str, dict[str, dict]], paper: str,
+                  paper_rows: dict, metrics: list[str]) -> dict:
+  """paper_<metric> values for one cell (None where the paper has none)."""
+  method = paper_name(cell, axes)
+  config_path = os.path.join(workdir, 'config.json')
+  if method is None or not os.path.exists(config_path):
+    return {'paper_method': method}
+  with open(config_path) as f:
+    setting = reference.setting_of(paper, json.load(f))
+  values = paper_rows.get((method, setting), {})
+  out = {'paper_method': method, 'paper_setting': setting}
+  out.update({f'paper_{m}': values.get(m) for m in metrics})
+  return out
+
+
 def main(argv):
   del argv
   cells = parse_grid(FLAGS.grid)
   keys = list(cells[0]) if cells and cells[0] else []
   metrics = [m.strip() for m in FLAGS.metrics.split(',') if m.strip()]
+  axes = load_axes(FLAGS.axes)
+  paper_rows = {}
+  if FLAGS.reference:
+    paper, _, table = FLAGS.reference.partition(':')
+    paper_rows = reference.load(paper, table)
   results = []
   for i, cell in enumerate(cells):
-    workdir = os.path.join(FLAGS.runs_dir, FLAGS.name, cell_name(cell))
+    workdir = os.path.join(FLAGS.runs_dir, FLAGS.runs_name or FLAGS.name,
+                           cell_name(cell))
     if FLAGS.dry_run:
       print(workdir)
       continue
@@ -197,15 +288,19 @@ def main(argv):
     if finished(workdir):
       status, note = 'ok', ''
     else:
-      status, note = run_cell(cell, workdir)
+      status, note = run_cell(cell_flags(cell, axes), workdir)
     row = dict(cell, status=status, note=note)
     if status == 'ok':
       row.update(read_final(workdir, metrics, FLAGS.last_k))
+    if FLAGS.reference:
+      row.update(paper_columns(cell, workdir, axes, paper, paper_rows,
+                               metrics))
     results.append(row)
     print(f'[{i + 1}/{len(cells)}] {cell_name(cell)}: {status} '
           f'{note[:120]} ({time.time() - t0:.0f}s) '
           + ' '.join(f'{m}={row.get(m)}' for m in metrics), flush=True)
-    write_outputs(FLAGS.name, results, keys, metrics)
+    write_outputs(FLAGS.name, results, keys, metrics,
+                  with_paper=bool(FLAGS.reference))
     if FLAGS.pivot:
       row_key, col_key = FLAGS.pivot.split(',')
       write_pivot(FLAGS.name, results, row_key, col_key, metrics[0])

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedrobust import aggregators
+from fedrobust.aggregators import krum as krum_lib
 
 C = 7
 F = 1
@@ -296,6 +297,38 @@ class ReferenceTest(parameterized.TestCase):
 # ----------------------------------------------------------------------------
 # Attacks.
 # ----------------------------------------------------------------------------
+
+
+class PairwiseDistanceTest(absltest.TestCase):
+  """Krum's centred-Gram distances against float64 differences."""
+
+  def test_gram_is_exact_despite_a_large_shared_component(self):
+    rng = np.random.default_rng(0)
+    # Updates 1e4 away from the origin that differ by O(1): the plain Gram
+    # form |a|^2 + |b|^2 - 2ab loses every digit here in float32.
+    x = (1e4 + rng.normal(size=(9, 300))).astype(np.float32)
+    valid = np.array([True] * 8 + [False])
+    exact = np_sq_dists(x.astype(np.float64))
+    got = np.asarray(jax.jit(krum_lib.pairwise_sq_dists)(x, valid))
+    np.testing.assert_allclose(got[:8, :8], exact[:8, :8], rtol=1e-4,
+                               atol=1e-3)
+    self.assertTrue(np.all(np.isinf(got[8])) and np.all(np.isinf(got[:, 8])))
+    naive = (np.sum(x * x, 1)[:, None] + np.sum(x * x, 1)[None, :]
+             - 2 * x @ x.T)
+    self.assertGreater(np.abs(naive[:8, :8] - exact[:8, :8]).max(), 10.0)
+
+  def test_huge_rows_are_infinitely_far_and_others_unchanged(self):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(7, 50)).astype(np.float32)
+    x[2] *= 1e30
+    valid = np.ones(7, bool)
+    for method in krum_lib.DISTANCE_METHODS:
+      got = np.asarray(krum_lib.pairwise_sq_dists(x, valid, method))
+      keep = [0, 1, 3, 4, 5, 6]
+      np.testing.assert_allclose(
+          got[np.ix_(keep, keep)],
+          np_sq_dists(x[keep].astype(np.float64)), rtol=1e-4, atol=1e-4)
+      self.assertTrue(np.all(np.isinf(np.delete(got[2], 2))), method)
 
 
 class SignFlipTest(parameterized.TestCase):

@@ -9,7 +9,13 @@ of the n real clients.
 
 n is traced: the sort puts the real clients first (a two-key sort on
 (absent, value), so a masked slot never ties with a real +Inf), and the
-order statistics are picked by index arithmetic on n.
+order statistics are picked by index arithmetic on n. The median needs only
+the C//2 + 1 smallest values of each column, so it takes them with
+lax.top_k along the minor axis of x^T instead of sorting [C, D] along the
+client axis: 2-3x faster on XLA:CPU at C in {10, 100, 1000} (BUILD_NOTES).
+There a real +Inf is read as the largest finite float and mapped back
+afterwards, so masked slots (+Inf) still come strictly after every real
+value without a second key.
 
 Non-finite inputs: NaN is mapped to +Inf before sorting, so a NaN or +-Inf
 coordinate lands at an extreme of the order. Guarantees:
@@ -104,11 +110,36 @@ def median_positions(n: jax.Array) -> tuple[jax.Array, jax.Array]:
   return lo, hi
 
 
+def smallest_per_column(x: jax.Array, mask: jax.Array, k: int
+                        ) -> tuple[jax.Array, jax.Array]:
+  """The k smallest real values of every column, ascending.
+
+  Args:
+    x: float32[C, D]. NaN is read as +Inf; masked rows are ignored.
+    mask: bool[C].
+    k: static, <= C.
+
+  Returns:
+    (values float32[D, k], clients int32[D, k]); positions past the number
+    of real clients hold +Inf and a masked client's index.
+  """
+  big = jnp.finfo(x.dtype).max
+  values = jnp.where(jnp.isnan(x) | (x == jnp.inf), big, x)
+  values = jnp.where(mask[:, None], values, jnp.inf)
+  neg, clients = lax.top_k(-values.T, k)
+  ordered = -neg
+  return jnp.where(ordered == big, jnp.inf, ordered), clients
+
+
+def _median_from_smallest(x, mask):
+  ordered, clients = smallest_per_column(x, mask, x.shape[0] // 2 + 1)
+  lo, hi = median_positions(jnp.sum(mask))
+  return 0.5 * ordered[:, lo] + 0.5 * ordered[:, hi], clients, lo, hi
+
+
 def coordinate_median(x: jax.Array, mask: jax.Array) -> jax.Array:
   """float32[C, D], bool[C] -> float32[D], the median of the real rows."""
-  ordered, _ = sort_clients(x, mask)
-  lo, hi = median_positions(jnp.sum(mask))
-  return 0.5 * ordered[lo] + 0.5 * ordered[hi]
+  return _median_from_smallest(x, mask)[0]
 
 
 def median(*, num_byzantine: int = 0) -> Aggregator:
@@ -130,12 +161,12 @@ def median(*, num_byzantine: int = 0) -> Aggregator:
     mask = jnp.asarray(mask, bool)
     x, like = flatten(updates)
     n = jnp.sum(mask)
-    ordered, order = sort_clients(x, mask)
-    lo, hi = median_positions(n)
-    flat = zeros_if_empty(n, 0.5 * ordered[lo] + 0.5 * ordered[hi])
-    position = jnp.arange(x.shape[0])[:, None]
-    pos_w = 0.5 * (position == lo) + 0.5 * (position == hi)
-    weights = jnp.where(mask, client_weights(pos_w, order), 0.0)
+    med, clients, lo, hi = _median_from_smallest(x, mask)
+    flat = zeros_if_empty(n, med)
+    # Client c's weight: its share of the middle positions, over columns.
+    count = lambda col: jnp.zeros((x.shape[0],), jnp.float32).at[col].add(1.0)
+    weights = 0.5 * (count(clients[:, lo]) + count(clients[:, hi]))
+    weights = jnp.where(mask, weights / x.shape[1], 0.0)
     return unflatten(flat, like), state, {'weights': weights}
 
   return Aggregator(stateless_init, aggregate)

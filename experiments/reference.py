@@ -1,0 +1,58 @@
+"""The seed papers' reported Fashion-MNIST numbers, joined to our runs.
+
+`experiments/reference/paper_results.csv` is a copy of the project's
+reference file (rows: paper, table, method, setting, metric, value; a
+metric such as 'A/R/V' packs several values as '85.10/91.13/88.11').
+
+A run is matched to a row by its paper-side method name (given per sweep
+cell, see sweep.py --axes) and by a setting string built from the run's own
+config.json, so the join cannot silently use a flag the run did not have.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'reference',
+                    'paper_results.csv')
+
+# Paper metric name -> the metrics.jsonl key it corresponds to.
+METRIC_KEYS = {'A': 'test_accuracy', 'R': 'backdoor_failure_rate',
+               'V': 'tradeoff_v', 'acc': 'test_accuracy',
+               'global_acc': 'test_accuracy'}
+
+
+def _sdfc_setting(config: dict) -> str:
+  pct = round(100 * config['malicious_fraction'])
+  return f"beta={config['dirichlet_alpha']:g} malicious={pct}%"
+
+
+# paper -> config -> the paper's setting string.
+SETTINGS = {'SDFC': _sdfc_setting}
+
+
+def load(paper: str, table: str, path: str = PATH
+         ) -> dict[tuple[str, str], dict[str, float]]:
+  """{(method, setting): {our metric key: value in [0, 1]}}."""
+  out: dict[tuple[str, str], dict[str, float]] = {}
+  with open(path) as f:
+    rows = csv.reader(line for line in f if not line.startswith('#'))
+    for row in rows:
+      if len(row) != 6 or row[0] != paper or row[1] != table:
+        continue
+      _, _, method, setting, metric, value = row
+      names, values = metric.split('/'), value.split('/')
+      if len(names) != len(values):
+        raise ValueError(f'{path}: {metric!r} does not match {value!r}')
+      entry = out.setdefault((method, setting), {})
+      for name, v in zip(names, values):
+        entry[METRIC_KEYS.get(name, name)] = float(v) / 100
+  return out
+
+
+def setting_of(paper: str, config: dict) -> str:
+  if paper not in SETTINGS:
+    raise ValueError(f'--reference: no setting rule for paper {paper!r}; '
+                     f'known: {sorted(SETTINGS)}')
+  return SETTINGS[paper](config)
