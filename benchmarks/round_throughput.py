@@ -41,7 +41,9 @@ from fedrobust import engine
 from fedrobust.aggregators import get_aggregator
 from fedrobust.engine.execution import STRATEGIES
 from fedrobust.methods import get_method
-from fedrobust.models import CONV_IMPLS, MODELS, default_conv_impl, get_model
+from fedrobust.models import (COMPUTE_DTYPES, CONV_IMPLS, MODELS,
+                              default_compute_dtype, default_conv_impl,
+                              get_model)
 from fedrobust.types import FederatedData
 
 flags.DEFINE_enum('model', 'simple_cnn', sorted(MODELS), 'Architecture.')
@@ -54,6 +56,8 @@ flags.DEFINE_integer('chunk_size', 0, 'Chunk size (chunked); 0: min(C, 8).')
 flags.DEFINE_integer('scan_unroll', 1, 'Local-step scan unroll (0: full).')
 flags.DEFINE_enum('conv_impl', 'auto', ('auto',) + CONV_IMPLS,
                   'Convolution lowering.')
+flags.DEFINE_enum('compute_dtype', 'auto', ('auto',) + COMPUTE_DTYPES,
+                  'Activation/matmul dtype; auto picks per backend.')
 flags.DEFINE_integer('rounds', 5, 'Warm rounds timed.')
 flags.DEFINE_string('aggregator', 'weighted_mean', 'Server rule '
                     '(fedrobust.aggregators); the torch reference supports '
@@ -100,10 +104,14 @@ def step_flops(model, batch_size: int) -> float:
 
 def build_round(strategy: str, *, model_name: str, clients: int,
                 local_steps: int, batch_size: int, chunk_size: int,
-                scan_unroll: int, conv_impl: str, aggregator: str = 'weighted_mean'):
+                scan_unroll: int, conv_impl: str,
+                aggregator: str = 'weighted_mean',
+                compute_dtype: str = 'float32'):
   """Compiles one FedAvg round; returns (run_one_round, info dict)."""
   model = get_model(model_name, num_classes=10, input_shape=(28, 28, 1),
-                    conv_impl=conv_impl)
+                    conv_impl=conv_impl,
+                    dtype=None if compute_dtype == 'float32' else
+                    jnp.dtype(compute_dtype))
   local = engine.LocalConfig(batch_size=batch_size, num_epochs=1,
                              steps_per_epoch=local_steps,
                              unroll=scan_unroll or local_steps)
@@ -140,7 +148,8 @@ def build_round(strategy: str, *, model_name: str, clients: int,
       'batch_size': batch_size, 'client_execution': strategy,
       'chunk_size': chunk_size if strategy == 'chunked' else None,
       'scan_unroll': scan_unroll, 'conv_impl': conv_impl,
-      'aggregator': aggregator, 'compile_seconds': compile_seconds,
+      'aggregator': aggregator, 'compute_dtype': compute_dtype,
+      'compile_seconds': compile_seconds,
       'flops_per_round': step_flops(model, batch_size) * clients * local_steps,
       'backend': jax.default_backend(),
       'device_kind': jax.devices()[0].device_kind,
@@ -215,7 +224,10 @@ def main(argv):
                    clients=FLAGS.clients, local_steps=FLAGS.local_steps,
                    batch_size=FLAGS.batch_size, chunk_size=FLAGS.chunk_size,
                    scan_unroll=FLAGS.scan_unroll, conv_impl=conv_impl,
-                   aggregator=FLAGS.aggregator, rounds=FLAGS.rounds)
+                   aggregator=FLAGS.aggregator, rounds=FLAGS.rounds,
+                   compute_dtype=(default_compute_dtype()
+                                  if FLAGS.compute_dtype == 'auto'
+                                  else FLAGS.compute_dtype))
     results.append(result)
     if FLAGS.json:
       print(json.dumps(result), flush=True)

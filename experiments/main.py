@@ -25,7 +25,7 @@ from fedrobust.attacks import ATTACKS
 from fedrobust.data import DATASETS, PARTITIONERS
 from fedrobust.engine.execution import STRATEGIES
 from fedrobust.methods import METHOD_DEFAULTS, METHODS
-from fedrobust.models import CONV_IMPLS, MODELS
+from fedrobust.models import COMPUTE_DTYPES, CONV_IMPLS, MODELS
 
 flags.DEFINE_enum('method', 'fedavg', sorted(METHODS), 'Federated method.')
 flags.DEFINE_enum('dataset', 'fashion_mnist', sorted(DATASETS),
@@ -79,6 +79,9 @@ flags.DEFINE_integer('scan_unroll', 1, 'Unroll factor of the local-step '
                      'scan (0: fully unrolled).')
 flags.DEFINE_enum('conv_impl', 'auto', ('auto',) + CONV_IMPLS,
                   'Convolution lowering; auto picks per backend.')
+flags.DEFINE_enum('compute_dtype', 'auto', ('auto',) + COMPUTE_DTYPES,
+                  'Activation/matmul dtype (params and optimizer stay '
+                  'float32); auto: bfloat16 on TPU, float32 elsewhere.')
 flags.DEFINE_integer('num_devices', 0, 'Devices the client axis is sharded '
                      'over (0: all local devices).')
 # Threat model and robust aggregation.

@@ -40,7 +40,8 @@ from fedrobust.engine import (LocalConfig, RoundConfig, client_mesh,
                               default_strategy, evaluate, evaluate_clients,
                               init_server_state, make_round_step, sgd)
 from fedrobust.methods import get_method
-from fedrobust.models import default_conv_impl, get_model
+from fedrobust.models import (default_compute_dtype, default_conv_impl,
+                              get_model)
 
 CONFIG_KEYS = (
     'method', 'dataset', 'data_dir', 'model', 'num_clients',
@@ -56,7 +57,7 @@ CONFIG_KEYS = (
     'attack_start_round', 'attacker_knowledge', 'backdoor_target_label',
     'trigger_location', 'trigger_size', 'trigger_value', 'poison_fraction',
     'flip_source_label', 'blend_alpha', 'sdfc_lambda', 'sdfc_components',
-    'sdfc_importance', 'sdfc_stiffness', 'sdfc_fisher')
+    'sdfc_importance', 'sdfc_stiffness', 'sdfc_fisher', 'compute_dtype')
 
 # Defaults of the threat-model keys, so runs saved before they existed
 # resume (a missing key compares equal to its default).
@@ -69,7 +70,8 @@ THREAT_DEFAULTS = {
     'trigger_size': '2x6', 'trigger_value': 255, 'poison_fraction': 0.5,
     'flip_source_label': -1, 'blend_alpha': 0.2, 'sdfc_lambda': 5.0,
     'sdfc_components': 'both', 'sdfc_importance': 'fisher',
-    'sdfc_stiffness': 'diff', 'sdfc_fisher': 'per_example'}
+    'sdfc_stiffness': 'diff', 'sdfc_fisher': 'per_example',
+    'compute_dtype': 'auto'}
 
 # Changing these on resume is not a config change.
 RESUMABLE_KEYS = frozenset({
@@ -274,6 +276,9 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
       min(config['clients_per_round'], 16) if strategy == 'chunked' else 0)
   conv_impl = (default_conv_impl(backend) if config['conv_impl'] == 'auto'
                else config['conv_impl'])
+  compute_dtype = config.get('compute_dtype', 'auto')
+  if compute_dtype == 'auto':
+    compute_dtype = default_compute_dtype(backend)
   num_devices = config['num_devices'] or jax.local_device_count()
   mesh = client_mesh(num_devices) if num_devices > 1 else None
 
@@ -298,7 +303,9 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
       'histograms': setup.histograms.tolist()})
 
   model = get_model(config['model'], num_classes=setup.num_classes,
-                    input_shape=setup.input_shape, conv_impl=conv_impl)
+                    input_shape=setup.input_shape, conv_impl=conv_impl,
+                    dtype=None if compute_dtype == 'float32' else
+                    jnp.dtype(compute_dtype))
   n_max = setup.train.x.shape[1]
   steps_per_epoch = -(-n_max // config['batch_size'])
   local = LocalConfig(
@@ -448,7 +455,8 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
       'rounds_completed': int(state.round),
       'config': {k: v for k, v in config.items() if k != 'overwrite'},
       'resolved': {'client_execution': strategy, 'chunk_size': chunk_size,
-                   'conv_impl': conv_impl, 'num_devices': num_devices,
+                   'conv_impl': conv_impl, 'compute_dtype': compute_dtype,
+                   'num_devices': num_devices,
                    'steps_per_round': local.num_steps,
                    'padded_client_size': n_max},
       'compile_seconds': compile_seconds,

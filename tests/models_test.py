@@ -64,6 +64,20 @@ class RegistryTest(parameterized.TestCase):
     self.assertEqual(shapes, [(5, 5, 1, 6), (5, 5, 6, 16), (256, 120),
                               (120, 84), (84, 84), (84, 256), (256, 10)])
 
+  def test_bfloat16_compute_keeps_float32_params_and_logits(self):
+    kw = dict(num_classes=10, input_shape=(28, 28, 1), conv_impl='im2col')
+    f32 = models.get_model('simple_cnn', **kw)
+    bf16 = models.get_model('simple_cnn', dtype=jnp.bfloat16, **kw)
+    params = f32.init(jax.random.key(0))
+    chex.assert_trees_all_equal_dtypes(params, bf16.init(jax.random.key(0)))
+    x = jax.random.uniform(jax.random.key(1), (4, 28, 28, 1))
+    ref, out = f32.apply(params, x), bf16.apply(params, x)
+    self.assertEqual(out.dtype, jnp.float32)
+    self.assertFalse(np.array_equal(out, ref))       # it did compute in bf16
+    np.testing.assert_allclose(out, ref, atol=0.05 * np.abs(ref).max())
+    self.assertEqual(models.default_compute_dtype('cpu'), 'float32')
+    self.assertEqual(models.default_compute_dtype('tpu'), 'bfloat16')
+
   def test_unknown_model_names_flag(self):
     with self.assertRaisesRegex(ValueError, '--model=.*simple_cnn'):
       models.get_model('resnet9000', num_classes=10, input_shape=(28, 28, 1))

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.models import zoo
-from fedrobust.models.layers import CONV_IMPLS, default_conv_impl
+from fedrobust.models.layers import (COMPUTE_DTYPES, CONV_IMPLS,
+                                     default_compute_dtype, default_conv_impl)
 
 Params = Any
 
@@ -69,4 +70,5 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
   return Model(name, init, apply, tuple(input_shape), num_classes)
 
 
-__all__ = ['MODELS', 'Model', 'get_model', 'default_conv_impl', 'CONV_IMPLS']
+__all__ = ['MODELS', 'Model', 'get_model', 'default_conv_impl', 'CONV_IMPLS',
+           'COMPUTE_DTYPES', 'default_compute_dtype']

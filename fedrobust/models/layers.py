@@ -26,6 +26,17 @@ def default_conv_impl(backend: str | None = None) -> ConvImpl:
   return 'im2col' if backend == 'cpu' else 'xla'
 
 
+COMPUTE_DTYPES = ('float32', 'bfloat16')
+
+
+def default_compute_dtype(backend: str | None = None) -> str:
+  """'bfloat16' on TPU (its matmul units; f32 matmuls there already run in
+  bf16 passes at default precision), 'float32' on CPU and GPU, where the
+  small models of this project are not matmul-bound (BUILD_NOTES)."""
+  backend = backend or jax.default_backend()
+  return 'bfloat16' if backend == 'tpu' else 'float32'
+
+
 def _same_padding(x: jax.Array, kh: int, kw: int) -> jax.Array:
   ph, pw = kh - 1, kw - 1
   return jnp.pad(x, ((0, 0), (ph // 2, ph - ph // 2), (pw // 2, pw - pw // 2),

@@ -1,0 +1,62 @@
+"""experiments/sweep.py: named axes and the paper-reference join."""
+
+import json
+import os
+
+import pytest
+
+from experiments import reference, sweep
+
+AXES = {'defense': {'SDFC': {'flags': ['--method=sdfc'], 'paper': 'SDFC'},
+                    'Median': {'flags': ['--method=fedavg',
+                                         '--aggregator=median']}}}
+
+
+def test_named_axis_expands_to_its_flags():
+  cells = sweep.parse_grid('defense=SDFC,Median;dirichlet_alpha=0.5,1.0')
+  assert len(cells) == 4
+  assert sweep.cell_flags(cells[0], AXES) == ['--method=sdfc',
+                                              '--dirichlet_alpha=0.5']
+  assert sweep.cell_flags(cells[3], AXES) == [
+      '--method=fedavg', '--aggregator=median', '--dirichlet_alpha=1.0']
+  assert sweep.paper_name(cells[0], AXES) == 'SDFC'
+  assert sweep.paper_name(cells[2], AXES) is None
+  with pytest.raises(ValueError, match='defense=Krum'):
+    sweep.cell_flags({'defense': 'Krum'}, AXES)
+
+
+def test_load_axes_rejects_a_value_without_flags(tmp_path):
+  path = tmp_path / 'axes.json'
+  path.write_text(json.dumps({'defense': {'X': {'paper': 'X'}}}))
+  with pytest.raises(ValueError, match='defense=X'):
+    sweep.load_axes(str(path))
+
+
+def test_reference_rows_and_setting():
+  rows = reference.load('SDFC', 'Table5')
+  sdfc = rows[('SDFC', 'beta=0.5 malicious=30%')]
+  assert sdfc['test_accuracy'] == pytest.approx(0.8510)
+  assert sdfc['backdoor_failure_rate'] == pytest.approx(0.9113)
+  assert sdfc['tradeoff_v'] == pytest.approx(0.8811)
+  assert reference.setting_of('SDFC', {'dirichlet_alpha': 1.0,
+                                       'malicious_fraction': 0.5}) == (
+                                           'beta=1 malicious=50%')
+  with pytest.raises(ValueError, match='Horus'):
+    reference.setting_of('Horus', {})
+
+
+def test_paper_columns_read_the_runs_own_config(tmp_path):
+  workdir = tmp_path / 'cell'
+  os.makedirs(workdir)
+  (workdir / 'config.json').write_text(json.dumps(
+      {'dirichlet_alpha': 0.5, 'malicious_fraction': 0.3}))
+  rows = reference.load('SDFC', 'Table5')
+  out = sweep.paper_columns({'defense': 'SDFC'}, str(workdir), AXES, 'SDFC',
+                            rows, ['test_accuracy', 'tradeoff_v'])
+  assert out['paper_setting'] == 'beta=0.5 malicious=30%'
+  assert out['paper_test_accuracy'] == pytest.approx(0.8510)
+  (workdir / 'config.json').write_text(json.dumps(
+      {'dirichlet_alpha': 0.3, 'malicious_fraction': 0.3}))
+  out = sweep.paper_columns({'defense': 'SDFC'}, str(workdir), AXES, 'SDFC',
+                            rows, ['test_accuracy'])
+  assert out['paper_test_accuracy'] is None      # no such paper setting
