@@ -25,7 +25,9 @@ METRIC_KEYS = {'A': 'test_accuracy', 'R': 'backdoor_failure_rate',
 
 def _sdfc_setting(config: dict) -> str:
   pct = round(100 * config['malicious_fraction'])
-  return f"beta={config['dirichlet_alpha']:g} malicious={pct}%"
+  beta = f"{config['dirichlet_alpha']:g}"
+  beta += '' if '.' in beta else '.0'        # the paper writes 1.0
+  return f'beta={beta} malicious={pct}%'
 
 
 # paper -> config -> the paper's setting string.

@@ -40,7 +40,7 @@ def test_reference_rows_and_setting():
   assert sdfc['tradeoff_v'] == pytest.approx(0.8811)
   assert reference.setting_of('SDFC', {'dirichlet_alpha': 1.0,
                                        'malicious_fraction': 0.5}) == (
-                                           'beta=1 malicious=50%')
+                                           'beta=1.0 malicious=50%')
   with pytest.raises(ValueError, match='Horus'):
     reference.setting_of('Horus', {})
 
