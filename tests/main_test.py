@@ -185,6 +185,10 @@ class EndToEndTest(absltest.TestCase):
     self.assertEqual(last['det_tp'] + last['det_fp'], 7.0)
     self.assertEqual(last['cumulative_det_tp'] + last['cumulative_det_fp'],
                      14.0)
+    # weight_* are mean shares of the aggregation weight: 2 attackers and
+    # 6 benign clients' shares add up to 1.
+    self.assertAlmostEqual(2 * last['weight_malicious']
+                           + 6 * last['weight_benign'], 1.0, places=5)
 
   def test_server_data_rule_that_tracks_the_model_runs(self):
     # FLTrust keeps the global params in its state: the donated round state

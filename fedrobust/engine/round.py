@@ -221,8 +221,12 @@ def make_round_step(method: Method, config: RoundConfig, *,
     weights = info.pop('weights', None)
     if weights is not None:
       metrics.update(detection_counts(weights, is_mal, mask))
-      metrics['weight_malicious'] = masked_mean(weights, is_mal)
-      metrics['weight_benign'] = masked_mean(weights, mask & ~is_mal)
+      # Mean share of the round's aggregation weight (shares sum to 1 over
+      # the real clients; FedAvg's raw weights are example counts).
+      total = jnp.sum(jnp.where(mask, weights, 0.0))
+      share = weights / jnp.where(total > 0, total, 1.0)
+      metrics['weight_malicious'] = masked_mean(share, is_mal)
+      metrics['weight_benign'] = masked_mean(share, mask & ~is_mal)
     metrics.update({k: v for k, v in info.items() if jnp.ndim(v) == 0})
     new_state = ServerState(state.round + 1, params, method_state,
                             jax.random.key_data(key))
