@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fedrobust.models.layers import Conv, ConvImpl, max_pool_2x2
+from fedrobust.models.layers import Conv, ConvImpl, Dense, max_pool_2x2
 
 
 def _flatten(x: jax.Array) -> jax.Array:
@@ -35,8 +35,8 @@ class SimpleCNN(nn.Module):
     x = max_pool_2x2(nn.relu(conv(16)(x)))
     x = _flatten(x)
     for width in (120, 84, 84, 256):
-      x = nn.relu(nn.Dense(width, dtype=self.dtype)(x))
-    return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
+      x = nn.relu(Dense(width, dtype=self.dtype)(x))
+    return Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
 
 class CNN(nn.Module):
@@ -52,8 +52,8 @@ class CNN(nn.Module):
     conv = lambda f: Conv(f, (5, 5), 'SAME', self.conv_impl, self.dtype)
     x = max_pool_2x2(nn.relu(conv(self.width)(x)))
     x = max_pool_2x2(nn.relu(conv(2 * self.width)(x)))
-    x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype)(_flatten(x)))
-    return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
+    x = nn.relu(Dense(self.hidden, dtype=self.dtype)(_flatten(x)))
+    return Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
 
 class VGGSmall(nn.Module):
@@ -70,8 +70,8 @@ class VGGSmall(nn.Module):
         x = nn.relu(Conv(features, (3, 3), 'SAME', self.conv_impl,
                          self.dtype)(x))
       x = max_pool_2x2(x)
-    x = nn.relu(nn.Dense(256, dtype=self.dtype)(_flatten(x)))
-    return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
+    x = nn.relu(Dense(256, dtype=self.dtype)(_flatten(x)))
+    return Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
 
 class RowLSTM(nn.Module):
@@ -88,7 +88,7 @@ class RowLSTM(nn.Module):
     cell = nn.OptimizedLSTMCell(self.hidden, dtype=self.dtype)
     carry, _ = nn.RNN(cell, return_carry=True)(seq)
     last_hidden = carry[1]
-    return nn.Dense(self.num_classes,
+    return Dense(self.num_classes,
                     dtype=self.dtype)(last_hidden).astype(jnp.float32)
 
 
@@ -103,5 +103,5 @@ class MLP(nn.Module):
   def __call__(self, x):
     x = _flatten(x)
     for width in self.hidden:
-      x = nn.relu(nn.Dense(width, dtype=self.dtype)(x))
-    return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
+      x = nn.relu(Dense(width, dtype=self.dtype)(x))
+    return Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
