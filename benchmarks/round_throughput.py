@@ -80,8 +80,8 @@ def synthetic_data(clients: int, examples: int, seed: int = 0
       jnp.full((clients,), examples, jnp.int32))
 
 
-def step_flops(model, batch_size: int) -> float:
-  """XLA's FLOP count of ONE local SGD step (forward, backward, update).
+def step_cost(model, batch_size: int) -> dict[str, float]:
+  """XLA's FLOPs and bytes accessed of ONE local SGD step (fwd, bwd, update).
 
   XLA's cost analysis counts a while-loop body once, whatever its trip
   count, so the round program's own figure undercounts scanned steps and
@@ -98,8 +98,9 @@ def step_flops(model, batch_size: int) -> float:
   x = jnp.zeros((batch_size, 28, 28, 1), jnp.uint8)
   y = jnp.zeros((batch_size,), jnp.int32)
   cost = jax.jit(one_step).lower(params, x, y).compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return float((cost or {}).get('flops', float('nan')))
+  cost = (cost[0] if isinstance(cost, list) else cost) or {}
+  return {'flops': float(cost.get('flops', float('nan'))),
+          'bytes': float(cost.get('bytes accessed', float('nan')))}
 
 
 def build_round(strategy: str, *, model_name: str, clients: int,
@@ -143,6 +144,7 @@ def build_round(strategy: str, *, model_name: str, clients: int,
     jax.block_until_ready((box[0], metrics))
     return time.perf_counter() - t0
 
+  cost = step_cost(model, batch_size)
   info = {
       'model': model_name, 'clients': clients, 'local_steps': local_steps,
       'batch_size': batch_size, 'client_execution': strategy,
@@ -150,7 +152,8 @@ def build_round(strategy: str, *, model_name: str, clients: int,
       'scan_unroll': scan_unroll, 'conv_impl': conv_impl,
       'aggregator': aggregator, 'compute_dtype': compute_dtype,
       'compile_seconds': compile_seconds,
-      'flops_per_round': step_flops(model, batch_size) * clients * local_steps,
+      'flops_per_round': cost['flops'] * clients * local_steps,
+      'bytes_per_round': cost['bytes'] * clients * local_steps,
       'backend': jax.default_backend(),
       'device_kind': jax.devices()[0].device_kind,
   }

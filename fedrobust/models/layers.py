@@ -45,7 +45,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   g.reshape(-1, N), instead of autodiff's dot_general that contracts all
   leading axes of x and g at once; on XLA:CPU that form is markedly slower
   for the im2col convolutions and dense layers of a local step (BUILD_NOTES
-  §5 has the measurement). Same values up to float reassociation.
+  §4 has the measurement). Same values up to float reassociation.
   """
   return x @ w
 
