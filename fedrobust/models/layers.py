@@ -44,7 +44,8 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   The weight gradient is taken as one 2-D GEMM, x.reshape(-1, K).T @
   g.reshape(-1, N), instead of autodiff's dot_general that contracts all
   leading axes of x and g at once; on XLA:CPU the round of the simple CNN
-  is 5-10% faster this way (BUILD_NOTES §4 has the measurement). Same values up to float reassociation.
+  is 5-10% faster this way (BUILD_NOTES §4 has the measurement). Same
+  values up to float reassociation.
   """
   return x @ w
 

@@ -89,7 +89,7 @@ class RowLSTM(nn.Module):
     carry, _ = nn.RNN(cell, return_carry=True)(seq)
     last_hidden = carry[1]
     return Dense(self.num_classes,
-                    dtype=self.dtype)(last_hidden).astype(jnp.float32)
+                 dtype=self.dtype)(last_hidden).astype(jnp.float32)
 
 
 class MLP(nn.Module):
