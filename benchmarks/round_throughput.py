@@ -16,7 +16,10 @@ sequential per-client loop; needs `pip install -e .[bench]`):
 Rounds of the two alternate (jax, torch, jax, torch, ...) so both see the
 same machine load; the table gives each one's median and the ratio.
 --threads=N pins both to N cores: the process's CPU affinity (which sizes
-XLA's CPU thread pool) and torch.set_num_threads(N).
+XLA's CPU thread pool) and torch.set_num_threads(N). On CPU the host is
+split into --cpu_devices XLA devices (0: one per pinned core, at most
+--clients) and the client axis is sharded over them, as experiments/main.py
+does; --cpu_devices=1 times the single-device round.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.devices import configure_cpu_devices
 from fedrobust import engine
 from fedrobust.aggregators import get_aggregator
 from fedrobust.engine.execution import STRATEGIES
@@ -66,6 +70,12 @@ flags.DEFINE_enum('reference', 'none', ['none', 'torch'], 'Also time the '
                   'PyTorch per-client loop, interleaved with ours.')
 flags.DEFINE_integer('threads', 0, 'Pin both frameworks to this many cores '
                      '(0: all available).')
+flags.DEFINE_float('settle_seconds', 1.0, 'Pause after each timed round '
+                   'of the side-by-side run, so that neither framework\'s '
+                   'idle worker threads still spin while the other runs.')
+flags.DEFINE_integer('cpu_devices', 0, 'XLA CPU devices the client axis is '
+                     'sharded over (0: one per pinned core, at most '
+                     '--clients).')
 flags.DEFINE_boolean('json', False, 'Print one JSON object per strategy.')
 FLAGS = flags.FLAGS
 
@@ -107,7 +117,7 @@ def build_round(strategy: str, *, model_name: str, clients: int,
                 local_steps: int, batch_size: int, chunk_size: int,
                 scan_unroll: int, conv_impl: str,
                 aggregator: str = 'weighted_mean',
-                compute_dtype: str = 'float32'):
+                compute_dtype: str = 'float32', num_devices: int = 1):
   """Compiles one FedAvg round; returns (run_one_round, info dict)."""
   model = get_model(model_name, num_classes=10, input_shape=(28, 28, 1),
                     conv_impl=conv_impl,
@@ -126,11 +136,16 @@ def build_round(strategy: str, *, model_name: str, clients: int,
   config = engine.RoundConfig(num_clients=clients, clients_per_round=clients,
                               strategy=strategy,
                               chunk_size=chunk_size if strategy == 'chunked'
-                              else 0)
-  step = jax.jit(engine.make_round_step(method, config), donate_argnums=0)
+                              else 0, num_devices=num_devices)
+  mesh = engine.client_mesh(num_devices) if num_devices > 1 else None
+  step = jax.jit(engine.make_round_step(method, config, mesh=mesh),
+                 donate_argnums=0)
   data = synthetic_data(clients, local_steps * batch_size)
   state = engine.init_server_state(method, model.init(jax.random.key(0)),
                                    clients, seed=0)
+  if mesh is not None:
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    data, state = jax.device_put((data, state), replicated)
   t0 = time.perf_counter()
   compiled = step.lower(state, data, ()).compile()
   compile_seconds = time.perf_counter() - t0
@@ -151,7 +166,7 @@ def build_round(strategy: str, *, model_name: str, clients: int,
       'chunk_size': chunk_size if strategy == 'chunked' else None,
       'scan_unroll': scan_unroll, 'conv_impl': conv_impl,
       'aggregator': aggregator, 'compute_dtype': compute_dtype,
-      'compile_seconds': compile_seconds,
+      'num_devices': num_devices, 'compile_seconds': compile_seconds,
       'flops_per_round': cost['flops'] * clients * local_steps,
       'bytes_per_round': cost['bytes'] * clients * local_steps,
       'backend': jax.default_backend(),
@@ -183,22 +198,27 @@ def side_by_side(strategy: str, *, rounds: int, **kwargs) -> dict:
   if FLAGS.threads:
     torch.set_num_threads(FLAGS.threads)
   run_one, info = build_round(strategy, **kwargs)
+  # Same accelerator as ours: a GPU run compares against torch on CUDA.
+  device = ('cuda' if jax.default_backend() == 'gpu' and
+            torch.cuda.is_available() else 'cpu')
   reference = torch_reference.Round(
       kwargs['model_name'], kwargs['clients'], kwargs['local_steps'],
       kwargs['batch_size'],
       aggregation='mean' if kwargs['aggregator'] == 'weighted_mean'
-      else 'median')
+      else 'median', device=device)
   reference()                                    # warm-up (allocator)
   ours, theirs = [], []
   for _ in range(rounds):
     ours.append(run_one())
+    time.sleep(FLAGS.settle_seconds)
     theirs.append(reference())
+    time.sleep(FLAGS.settle_seconds)
   samples = reference.samples
   t_ours, t_torch = statistics.median(ours), statistics.median(theirs)
   return dict(info, samples_per_second=samples / t_ours,
               round_seconds=t_ours, torch_samples_per_second=samples / t_torch,
               torch_round_seconds=t_torch, speedup_vs_torch=t_torch / t_ours,
-              torch_version=torch.__version__,
+              torch_version=torch.__version__, torch_device=device,
               torch_threads=torch.get_num_threads(),
               cpu_affinity=len(os.sched_getaffinity(0)),
               peak_rss_mb=peak_rss_mb())
@@ -206,6 +226,16 @@ def side_by_side(strategy: str, *, rounds: int, **kwargs) -> dict:
 
 def main(argv):
   del argv
+  if FLAGS.threads:
+    cpus = sorted(os.sched_getaffinity(0))
+    if FLAGS.threads > len(cpus):
+      raise app.UsageError(f'--threads={FLAGS.threads}: only {len(cpus)} '
+                           'cores are available')
+    os.sched_setaffinity(0, cpus[:FLAGS.threads])   # before XLA's pool
+  # Before anything below starts JAX's backends.
+  num_devices = configure_cpu_devices(FLAGS.cpu_devices, FLAGS.clients)
+  if jax.default_backend() != 'cpu':
+    num_devices = jax.local_device_count()
   if FLAGS.client_execution == 'all':
     strategies = STRATEGIES
   elif FLAGS.client_execution == 'auto':
@@ -214,12 +244,6 @@ def main(argv):
     strategies = (FLAGS.client_execution,)
   conv_impl = (default_conv_impl() if FLAGS.conv_impl == 'auto'
                else FLAGS.conv_impl)
-  if FLAGS.threads:
-    cpus = sorted(os.sched_getaffinity(0))
-    if FLAGS.threads > len(cpus):
-      raise app.UsageError(f'--threads={FLAGS.threads}: only {len(cpus)} '
-                           'cores are available')
-    os.sched_setaffinity(0, cpus[:FLAGS.threads])   # before XLA's pool
   timer = side_by_side if FLAGS.reference == 'torch' else time_round
   results = []
   for strategy in strategies:
@@ -228,6 +252,7 @@ def main(argv):
                    batch_size=FLAGS.batch_size, chunk_size=FLAGS.chunk_size,
                    scan_unroll=FLAGS.scan_unroll, conv_impl=conv_impl,
                    aggregator=FLAGS.aggregator, rounds=FLAGS.rounds,
+                   num_devices=num_devices,
                    compute_dtype=(default_compute_dtype()
                                   if FLAGS.compute_dtype == 'auto'
                                   else FLAGS.compute_dtype))
@@ -235,11 +260,13 @@ def main(argv):
     if FLAGS.json:
       print(json.dumps(result), flush=True)
   if not FLAGS.json:
-    print(f"{'execution':<12} {'conv':<7} {'unroll':>6} {'samples/s':>10} "
-          f"{'round s':>8} {'compile s':>9} {'GFLOP/rnd':>9} {'RSS MB':>7}")
+    print(f"{'execution':<12} {'conv':<7} {'unroll':>6} {'devices':>7} "
+          f"{'samples/s':>10} {'round s':>8} {'compile s':>9} {'GFLOP/rnd':>9} "
+          f"{'RSS MB':>7}")
     for r in results:
       print(f"{r['client_execution']:<12} {r['conv_impl']:<7} "
-            f"{r['scan_unroll']:>6} {r['samples_per_second']:>10,.0f} "
+            f"{r['scan_unroll']:>6} {r['num_devices']:>7} "
+            f"{r['samples_per_second']:>10,.0f} "
             f"{r['round_seconds']:>8.3f} {r['compile_seconds']:>9.1f} "
             f"{r['flops_per_round'] / 1e9:>9.2f} {r['peak_rss_mb']:>7.0f}")
     for r in results:

@@ -119,6 +119,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
         perm = torch.randperm(n, generator=generator)
         start = 0
       idx = perm[start:start + batch_size]
+    idx = idx.to(x.device)
     opt.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(normalize(x[idx])), y[idx])
     loss.backward()
@@ -167,15 +168,19 @@ class Round:
   """A timed, repeatable reference round on fixed synthetic client data."""
 
   def __init__(self, model: str, clients: int, local_steps: int,
-               batch_size: int, aggregation: str = 'mean', seed: int = 0):
+               batch_size: int, aggregation: str = 'mean', seed: int = 0,
+               device: str = 'cpu'):
     torch.manual_seed(seed)
-    self.global_model = MODELS[model]()
-    self.local_model = MODELS[model]()
+    self.device = torch.device(device)
+    self.global_model = MODELS[model]().to(self.device)
+    self.local_model = MODELS[model]().to(self.device)
     rng = np.random.default_rng(seed)
     n = local_steps * batch_size
+    # The data stay on the device, as fedrobust's do.
     self.xs = torch.from_numpy(rng.integers(0, 256, (clients, n, 28, 28, 1),
-                                            dtype=np.uint8))
-    self.ys = torch.from_numpy(rng.integers(0, 10, (clients, n)))
+                                            dtype=np.uint8)).to(self.device)
+    self.ys = torch.from_numpy(rng.integers(0, 10, (clients, n))).to(
+        self.device)
     self.kwargs = dict(steps=local_steps, batch_size=batch_size,
                        aggregation=aggregation,
                        generator=torch.Generator().manual_seed(seed))
@@ -186,4 +191,6 @@ class Round:
     t0 = time.perf_counter()
     fedavg_round(self.global_model, self.local_model, self.xs, self.ys,
                  **self.kwargs)
+    if self.device.type == 'cuda':
+      torch.cuda.synchronize(self.device)
     return time.perf_counter() - t0

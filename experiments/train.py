@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fedrobust.checkpoint import Checkpointer
 from fedrobust.data import (DataNotFoundError, build_federated_setup,
                             load_dataset, subsample)
+from experiments.devices import configure_cpu_devices
 from experiments.threat import build_threat
 from fedrobust.engine.evaluate import pad_to_batches
 from fedrobust.engine import (LocalConfig, RoundConfig, client_mesh,
@@ -57,7 +58,8 @@ CONFIG_KEYS = (
     'attack_start_round', 'attacker_knowledge', 'backdoor_target_label',
     'trigger_location', 'trigger_size', 'trigger_value', 'poison_fraction',
     'flip_source_label', 'blend_alpha', 'sdfc_lambda', 'sdfc_components',
-    'sdfc_importance', 'sdfc_stiffness', 'sdfc_fisher', 'compute_dtype')
+    'sdfc_importance', 'sdfc_stiffness', 'sdfc_fisher', 'compute_dtype',
+    'cpu_devices')
 
 # Defaults of the threat-model keys, so runs saved before they existed
 # resume (a missing key compares equal to its default).
@@ -71,7 +73,7 @@ THREAT_DEFAULTS = {
     'flip_source_label': -1, 'blend_alpha': 0.2, 'sdfc_lambda': 5.0,
     'sdfc_components': 'both', 'sdfc_importance': 'fisher',
     'sdfc_stiffness': 'diff', 'sdfc_fisher': 'per_example',
-    'compute_dtype': 'auto'}
+    'compute_dtype': 'auto', 'cpu_devices': 0}
 
 # Changing these on resume is not a config change.
 RESUMABLE_KEYS = frozenset({
@@ -82,7 +84,7 @@ RESUMABLE_KEYS = frozenset({
 # tolerance, not bitwise.
 EXECUTION_KEYS = frozenset({
     'client_execution', 'chunk_size', 'scan_unroll', 'conv_impl',
-    'num_devices'})
+    'num_devices', 'cpu_devices'})
 
 PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'chex',
             'numpy', 'tensorflow-datasets', 'absl-py')
@@ -106,7 +108,8 @@ def validate(config: dict[str, Any]) -> None:
     if config[key] < 1:
       raise ValueError(f'--{key} must be >= 1, got {config[key]}')
   for key in ('clients_per_round', 'max_train_examples', 'validation_size',
-              'public_size', 'chunk_size', 'scan_unroll', 'num_devices'):
+              'public_size', 'chunk_size', 'scan_unroll', 'num_devices',
+              'cpu_devices'):
     if config[key] < 0:
       raise ValueError(f'--{key} must be >= 0, got {config[key]}')
   if config['clients_per_round'] > config['num_clients']:
@@ -269,6 +272,9 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
   """Runs (or resumes) one experiment; returns the summary dict."""
   config = resolve(config)
   validate(config)
+  # Before anything starts JAX's CPU backend (a no-op once it has).
+  configure_cpu_devices(config.get('cpu_devices', 0),
+                        config['clients_per_round'])
   backend = jax.default_backend()
   strategy = (default_strategy(backend) if config['client_execution'] ==
               'auto' else config['client_execution'])

@@ -13,14 +13,34 @@ from fedrobust.models import layers
 
 class ConvTest(parameterized.TestCase):
 
-  @parameterized.parameters(('VALID', 5), ('SAME', 5), ('SAME', 3))
-  def test_im2col_matches_xla(self, padding, size):
-    kx, kk = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(kx, (2, 9, 8, 3))
-    kernel = jax.random.normal(kk, (size, size, 3, 4))
-    ref = layers.conv2d(x, kernel, padding=padding, impl='xla')
-    out = layers.conv2d(x, kernel, padding=padding, impl='im2col')
+  # Cin 1 and 3 take the shift-and-add path, Cin 6 the patch matrix.
+  @parameterized.parameters(('VALID', 5, 3), ('SAME', 5, 3), ('SAME', 3, 3),
+                            ('VALID', 5, 1), ('SAME', 3, 1), ('VALID', 3, 6))
+  def test_im2col_matches_xla(self, padding, size, cin):
+    kx, kk, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (2, 9, 8, cin))
+    kernel = jax.random.normal(kk, (size, size, cin, 4))
+    ref, ref_vjp = jax.vjp(
+        lambda x, k: layers.conv2d(x, k, padding=padding, impl='xla'),
+        x, kernel)
+    out, out_vjp = jax.vjp(
+        lambda x, k: layers.conv2d(x, k, padding=padding, impl='im2col'),
+        x, kernel)
     chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = jax.random.normal(kg, ref.shape)
+    chex.assert_trees_all_close(out_vjp(g), ref_vjp(g), rtol=1e-4, atol=1e-4)
+
+  def test_shift_add_gradient_is_used_under_vmap(self):
+    # Per-client kernels (vmap) through the hand-written VJP agree with XLA.
+    x = jax.random.normal(jax.random.key(3), (2, 3, 7, 7, 1))
+    kernel = jax.random.normal(jax.random.key(4), (2, 3, 3, 1, 2))
+
+    def loss(impl):
+      return lambda k, x: jnp.sum(jnp.sin(layers.conv2d(
+          x, k, padding='VALID', impl=impl)))
+    ref = jax.vmap(jax.grad(loss('xla')))(kernel, x)
+    out = jax.vmap(jax.grad(loss('im2col')))(kernel, x)
+    chex.assert_trees_all_close(out, ref, rtol=1e-4, atol=1e-4)
 
   def test_max_pool_matches_numpy(self):
     x = np.random.default_rng(0).normal(size=(2, 5, 4, 3)).astype(np.float32)

@@ -86,6 +86,76 @@ def _same_padding(x: jax.Array, kh: int, kw: int) -> jax.Array:
                      (0, 0)))
 
 
+# Input channels up to which the 'im2col' lowering computes the forward
+# pass by shift-and-add instead of materialising the patch matrix.
+SHIFT_ADD_MAX_CIN = 3
+
+
+def _kernel_offsets(kh: int, kw: int) -> list[tuple[int, int]]:
+  return [(i, j) for i in range(kh) for j in range(kw)]
+
+
+@jax.custom_vjp
+def conv_shift_add(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """VALID stride-1 convolution for inputs with few channels.
+
+  out = sum over kernel taps (i, j) and input channels c of
+  x[:, i:i+Ho, j:j+Wo, c:c+1] * kernel[i, j, c], one fused elementwise loop
+  on XLA:CPU. For a 1-channel 28x28 input it is about 5x faster than
+  building the [N*Ho*Wo, kh*kw] patch matrix. Autodiff of that sum would
+  take the kernel gradient as kh*kw*Cin separate reductions over the output
+  gradient, which is slow, so the VJP is hand-written: the kernel gradient
+  is one GEMM of tap-major patches [kh*kw*Cin, N*Ho*Wo] with the output
+  gradient [N*Ho*Wo, Cout] (BUILD_NOTES §4 has the measurements).
+
+  Args:
+    x: float[N, H, W, Cin].
+    kernel: float[kh, kw, Cin, Cout].
+
+  Returns:
+    float[N, H-kh+1, W-kw+1, Cout].
+  """
+  kh, kw, cin, _ = kernel.shape
+  _, h, w, _ = x.shape
+  ho, wo = h - kh + 1, w - kw + 1
+  out = None
+  for i, j in _kernel_offsets(kh, kw):
+    for c in range(cin):
+      tap = kernel[i, j, c].reshape(1, 1, 1, -1)
+      term = x[:, i:i + ho, j:j + wo, c:c + 1] * tap
+      out = term if out is None else out + term
+  return out
+
+
+def _conv_shift_add_fwd(x, kernel):
+  return conv_shift_add(x, kernel), (x, kernel)
+
+
+def _conv_shift_add_bwd(res, g):
+  x, kernel = res
+  kh, kw, cin, cout = kernel.shape
+  n, h, w, _ = x.shape
+  ho, wo = h - kh + 1, w - kw + 1
+  taps = kh * kw * cin
+  g2d = g.reshape(-1, cout)
+  channel_major = jnp.moveaxis(x, -1, 0)                  # [Cin, N, H, W]
+  patches = jnp.stack([channel_major[:, :, i:i + ho, j:j + wo]
+                       for i, j in _kernel_offsets(kh, kw)])
+  dkernel = (patches.reshape(taps, -1) @ g2d).reshape(kernel.shape)
+  # The input gradient is the transpose of taking shifted windows: each
+  # tap's share, padded back to its place (dead code, and removed by XLA,
+  # when x is data).
+  per_tap = (g2d @ kernel.reshape(taps, cout).T).reshape(
+      n, ho, wo, kh * kw, cin)
+  dx = sum(jnp.pad(per_tap[:, :, :, t], ((0, 0), (i, h - ho - i),
+                                         (j, w - wo - j), (0, 0)))
+           for t, (i, j) in enumerate(_kernel_offsets(kh, kw)))
+  return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
+
+
+conv_shift_add.defvjp(_conv_shift_add_fwd, _conv_shift_add_bwd)
+
+
 def conv2d(x: jax.Array, kernel: jax.Array, *, padding: str,
            impl: ConvImpl) -> jax.Array:
   """Stride-1 2-D convolution, NHWC input and HWIO kernel.
@@ -94,7 +164,8 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, padding: str,
     x: float[N, H, W, Cin].
     kernel: float[kh, kw, Cin, Cout].
     padding: 'VALID' or 'SAME'.
-    impl: 'xla' (lax.conv) or 'im2col' (shifted slices, one matmul).
+    impl: 'xla' (lax.conv) or 'im2col' (shifted slices, one matmul; for
+      Cin <= SHIFT_ADD_MAX_CIN, conv_shift_add).
 
   Returns:
     float[N, H', W', Cout].
@@ -110,6 +181,8 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, padding: str,
     x = _same_padding(x, kh, kw)
   elif padding != 'VALID':
     raise ValueError(f'padding must be VALID or SAME, got {padding!r}')
+  if cin <= SHIFT_ADD_MAX_CIN:
+    return conv_shift_add(x, kernel)
   n, h, w, _ = x.shape
   ho, wo = h - kh + 1, w - kw + 1
   cols = jnp.stack([x[:, i:i + ho, j:j + wo, :]
