@@ -10,6 +10,7 @@ import tempfile
 import time
 
 from absl.testing import absltest
+import jax
 import numpy as np
 
 from experiments import train
@@ -132,6 +133,27 @@ class EndToEndTest(absltest.TestCase):
     # Every client trains every round, so round 3 reads each client's
     # stored w^{t-1}_k and H_k: a lost or reset state would change the hash.
     self.assertGreater(rows[-1]['fdreg_penalty'], 0.0)
+
+  def test_sdfc_sharded_over_devices_matches_one_device(self):
+    # On CPU the runner shards clients over one device per core by default;
+    # SDFC's per-client state and Fisher statistics must not notice.
+    if jax.device_count() < 2:
+      self.skipTest('needs 2 devices (conftest.py forces 4)')
+    sdfc = dict(method='sdfc', attack='badnets', malicious_fraction=0.25,
+                validation_fraction=0.1, validation_size=16,
+                clients_per_round=0, num_rounds=2, checkpoint_every=2)
+    rows = {}
+    for devices in (1, 2):
+      workdir = self.create_tempdir().full_path
+      train.run(base_config(self.data_dir, workdir, num_devices=devices,
+                            **sdfc))
+      with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+        rows[devices] = [json.loads(line) for line in f]
+    for one, two in zip(rows[1], rows[2]):
+      for key in ('train_loss', 'fisher_discrepancy', 'fdreg_penalty',
+                  'weight_malicious', 'weight_benign', 'test_loss'):
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-3,
+                                   atol=1e-6, err_msg=key)
 
   def test_changed_config_is_refused_unless_overwrite(self):
     workdir = self.create_tempdir().full_path
