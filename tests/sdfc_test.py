@@ -62,6 +62,25 @@ class FisherTest(parameterized.TestCase):
     np.testing.assert_allclose(got['w'], ew, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(got['b'], eb, rtol=1e-4, atol=1e-7)
 
+  @parameterized.parameters('per_example', 'batch_mean_squared')
+  def test_empty_batches_change_nothing(self, mode):
+    # Padding batches (a smaller client's tail) are skipped, not counted.
+    # Their images are NaN-free garbage; a leak would change the result.
+    pad_x = jnp.full((2, 4, 2, 2, 1), 255, jnp.uint8)
+    pad_y = jnp.zeros((2, 4), jnp.int32)
+    x = jnp.concatenate([self.x[:1], pad_x, self.x[1:]])
+    y = jnp.concatenate([self.y[:1], pad_y, self.y[1:]])
+    mask = jnp.concatenate([self.mask[:1], jnp.zeros((2, 4), bool),
+                            self.mask[1:]])
+    fisher = jax.jit(lambda x, y, m: fisher_diagonal(
+        self.model.apply, self.params, x, y, m, mode=mode))
+    chex.assert_trees_all_close(fisher(x, y, mask),
+                                fisher(self.x, self.y, self.mask),
+                                rtol=1e-6, atol=1e-9)
+    empty = fisher(x, y, jnp.zeros_like(mask))
+    chex.assert_trees_all_equal(empty, jax.tree.map(jnp.zeros_like,
+                                                    self.params))
+
   def test_unknown_variant_names_flag(self):
     with self.assertRaisesRegex(ValueError, '--sdfc_importance'):
       fisher_diagonal(self.model.apply, self.params, self.x, self.y,
