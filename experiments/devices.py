@@ -5,7 +5,7 @@ small GEMMs of a client step keep two cores only partly busy. Splitting the
 host into several CPU devices and sharding the client axis over them (the
 same `jax.sharding.Mesh` path used for GPUs and TPUs) runs clients side by
 side instead: on the 2-core development box the simple-CNN round is about
-1.6x faster with 2 devices than with 1 (BUILD_NOTES §4). The count must be
+1.8x faster with 2 devices than with 1 (BUILD_NOTES §4). The count must be
 set before JAX starts its CPU backend, so this lives with the host code.
 """
 

@@ -84,10 +84,10 @@ def fisher_diagonal(apply_fn: Callable, params: Params, x: jax.Array,
     return jax.tree.map(lambda g: stat(g) * live, mean_grad), live
 
   def batch_sum_or_skip(batch):
-    # A client's data is padded to the largest client's; its trailing
-    # batches hold no real example. Under lax.map the cond skips them (a
-    # 10-client Dirichlet(0.5) split pads to several times the mean size);
-    # under vmap it becomes a select with the same result.
+    # A client's data is padded to the largest client's, so its trailing
+    # batches may hold no real example (on the SDFC quick preset the
+    # largest client is 1.4x the mean). Under lax.map the cond skips
+    # them; under vmap it becomes a select with the same result.
     zeros = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0))
     return jax.lax.cond(jnp.any(batch[2]), batch_sum, lambda _: zeros, batch)
 
