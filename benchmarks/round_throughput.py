@@ -17,9 +17,10 @@ Rounds of the two alternate (jax, torch, jax, torch, ...) so both see the
 same machine load; the table gives each one's median and the ratio.
 --threads=N pins both to N cores: the process's CPU affinity (which sizes
 XLA's CPU thread pool) and torch.set_num_threads(N). On CPU the host is
-split into --cpu_devices XLA devices (0: one per pinned core, at most
---clients) and the client axis is sharded over them, as experiments/main.py
-does; --cpu_devices=1 times the single-device round.
+split into --cpu_devices XLA devices (0: auto, up to one per pinned core,
+as experiments/devices.py picks) and the client axis is sharded over them,
+as experiments/main.py does; --cpu_devices=1 times the single-device
+round.
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ flags.DEFINE_float('settle_seconds', 1.0, 'Pause after each timed round '
                    'of the side-by-side run, so that neither framework\'s '
                    'idle worker threads still spin while the other runs.')
 flags.DEFINE_integer('cpu_devices', 0, 'XLA CPU devices the client axis is '
-                     'sharded over (0: one per pinned core, at most '
-                     '--clients).')
+                     'sharded over (0: auto, up to one per pinned core).')
 flags.DEFINE_boolean('json', False, 'Print one JSON object per strategy.')
 FLAGS = flags.FLAGS
 

@@ -27,9 +27,17 @@ def available_cores() -> int:
 
 
 def auto_cpu_devices(clients_per_round: int, cores: int | None = None) -> int:
-  """One CPU device per available core, but no more than clients."""
-  cores = available_cores() if cores is None else cores
-  return max(1, min(cores, clients_per_round))
+  """The fewest CPU devices (at most one per core) for the shortest round.
+
+  With one device per core, the busiest device trains ceil(C / cores)
+  clients. Fewer devices reach the same per-device load with less slot
+  padding (a padded slot still trains): C = 20 on 16 cores gives 10
+  devices of 2 clients, not 16 devices holding 12 padded slots.
+  """
+  cores = max(1, available_cores() if cores is None else cores)
+  clients = max(1, clients_per_round)
+  per_device = -(-clients // cores)
+  return -(-clients // per_device)
 
 
 def configure_cpu_devices(cpu_devices: int, clients_per_round: int) -> int:

@@ -85,9 +85,10 @@ flags.DEFINE_enum('compute_dtype', 'auto', ('auto',) + COMPUTE_DTYPES,
 flags.DEFINE_integer('num_devices', 0, 'Devices the client axis is sharded '
                      'over (0: all local devices).')
 flags.DEFINE_integer('cpu_devices', 0, 'XLA devices the host CPU is split '
-                     'into when running on CPU (0: one per available core, '
-                     'at most the clients per round); clients on different '
-                     'devices train side by side.')
+                     'into when running on CPU (0: auto, up to one per '
+                     'available core: the fewest that give the shortest '
+                     'round); clients on different devices train side by '
+                     'side.')
 # Threat model and robust aggregation.
 flags.DEFINE_enum('aggregator', 'weighted_mean',
                   ['weighted_mean'] + sorted(AGGREGATORS),

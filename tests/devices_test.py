@@ -19,6 +19,10 @@ class CpuDevicesTest(absltest.TestCase):
     self.assertEqual(devices.auto_cpu_devices(10, cores=16), 10)
     self.assertEqual(devices.auto_cpu_devices(1, cores=2), 1)
     self.assertEqual(devices.auto_cpu_devices(0, cores=2), 1)
+    self.assertEqual(devices.auto_cpu_devices(3, cores=2), 2)
+    # Same busiest-device load (2 clients) as 16 devices, no padded slots.
+    self.assertEqual(devices.auto_cpu_devices(20, cores=16), 10)
+    self.assertEqual(devices.auto_cpu_devices(100, cores=16), 15)
     self.assertGreaterEqual(devices.available_cores(), 1)
 
   def test_negative_count_names_the_flag(self):
