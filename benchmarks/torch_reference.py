@@ -109,14 +109,16 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
   opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
                         weight_decay=weight_decay)
   n = x.shape[0]
-  perm = torch.randperm(n, generator=generator)
+  # On CUDA the generator lives on the device, so indices never cross.
+  device = generator.device if generator is not None else x.device
+  perm = torch.randperm(n, generator=generator, device=device)
   for s in range(steps):
     if batches is not None:
       idx = torch.from_numpy(np.asarray(batches[s]))
     else:
       start = (s * batch_size) % n
       if start + batch_size > n:
-        perm = torch.randperm(n, generator=generator)
+        perm = torch.randperm(n, generator=generator, device=device)
         start = 0
       idx = perm[start:start + batch_size]
     idx = idx.to(x.device)
@@ -183,7 +185,8 @@ class Round:
         self.device)
     self.kwargs = dict(steps=local_steps, batch_size=batch_size,
                        aggregation=aggregation,
-                       generator=torch.Generator().manual_seed(seed))
+                       generator=torch.Generator(
+                           device=self.device).manual_seed(seed))
     self.samples = clients * n
 
   def __call__(self) -> float:

@@ -50,16 +50,17 @@ def configure_cpu_devices(cpu_devices: int, clients_per_round: int) -> int:
   Returns:
     The CPU device count JAX will use. An explicit
     --xla_force_host_platform_device_count in XLA_FLAGS wins (the tests
-    set one), and so does a count set earlier in this process.
+    set one). In auto mode, a CPU backend that has already started keeps
+    its count.
 
   Raises:
-    ValueError: naming --cpu_devices, for a negative count, or when the CPU
-      backend has already started with another count.
+    ValueError: naming --cpu_devices, for a negative count, or when an
+      explicit count comes after the CPU backend has started.
   """
   if cpu_devices < 0:
     raise ValueError(f'--cpu_devices must be >= 0, got {cpu_devices}')
-  for flag in os.environ.get('XLA_FLAGS', '').split():
-    if flag.startswith(_XLA_FLAG + '='):
+  for flag in reversed(os.environ.get('XLA_FLAGS', '').split()):
+    if flag.startswith(_XLA_FLAG + '='):    # XLA reads the last one
       return int(flag.split('=', 1)[1])
   wanted = cpu_devices or auto_cpu_devices(clients_per_round)
   if jax.config.jax_num_cpu_devices == wanted:
@@ -70,5 +71,5 @@ def configure_cpu_devices(cpu_devices: int, clients_per_round: int) -> int:
     if cpu_devices:
       raise ValueError(f'--cpu_devices={cpu_devices}: JAX has already '
                        f'started its CPU backend ({err})') from err
-    return jax.local_device_count()
+    return jax.local_device_count('cpu')
   return wanted

@@ -273,8 +273,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
   config = resolve(config)
   validate(config)
   # Before anything starts JAX's CPU backend (a no-op once it has).
-  configure_cpu_devices(config.get('cpu_devices', 0),
-                        config['clients_per_round'])
+  configure_cpu_devices(config['cpu_devices'], config['clients_per_round'])
   backend = jax.default_backend()
   strategy = (default_strategy(backend) if config['client_execution'] ==
               'auto' else config['client_execution'])

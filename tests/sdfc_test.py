@@ -62,8 +62,9 @@ class FisherTest(parameterized.TestCase):
     np.testing.assert_allclose(got['w'], ew, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(got['b'], eb, rtol=1e-4, atol=1e-7)
 
-  @parameterized.parameters('per_example', 'batch_mean_squared')
-  def test_empty_batches_change_nothing(self, mode):
+  @parameterized.product(mode=('per_example', 'batch_mean_squared'),
+                          importance=('fisher', 'abs_grad'))
+  def test_empty_batches_change_nothing(self, mode, importance):
     # Padding batches (a smaller client's tail) are skipped, not counted.
     # Their images are NaN-free garbage; a leak would change the result.
     pad_x = jnp.full((2, 4, 2, 2, 1), 255, jnp.uint8)
@@ -73,7 +74,8 @@ class FisherTest(parameterized.TestCase):
     mask = jnp.concatenate([self.mask[:1], jnp.zeros((2, 4), bool),
                             self.mask[1:]])
     fisher = jax.jit(lambda x, y, m: fisher_diagonal(
-        self.model.apply, self.params, x, y, m, mode=mode))
+        self.model.apply, self.params, x, y, m, mode=mode,
+        importance=importance))
     chex.assert_trees_all_close(fisher(x, y, mask),
                                 fisher(self.x, self.y, self.mask),
                                 rtol=1e-6, atol=1e-9)

@@ -13,9 +13,9 @@ choice and never changes a result beyond float reassociation:
 With a `jax.sharding.Mesh`, the client axis is split over the mesh's
 'clients' axis with `jax.shard_map`; each device runs the strategy on its
 own clients, and reductions over clients in the server update become
-all-reduces. On CPU the experiment runner splits the host into one XLA
-device per core (experiments/devices.py), so the same path runs clients
-side by side there too.
+all-reduces. On CPU the experiment runner splits the host into up to one
+XLA device per core (experiments/devices.py), so the same path runs
+clients side by side there too.
 """
 
 from __future__ import annotations

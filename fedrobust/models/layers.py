@@ -118,13 +118,15 @@ def conv_shift_add(x: jax.Array, kernel: jax.Array) -> jax.Array:
   kh, kw, cin, _ = kernel.shape
   _, h, w, _ = x.shape
   ho, wo = h - kh + 1, w - kw + 1
+  # Sum the taps in float32 at least, as a GEMM accumulates (bf16 compute).
+  acc_dtype = jnp.promote_types(jnp.result_type(x, kernel), jnp.float32)
   out = None
   for i, j in _kernel_offsets(kh, kw):
     for c in range(cin):
       tap = kernel[i, j, c].reshape(1, 1, 1, -1)
-      term = x[:, i:i + ho, j:j + wo, c:c + 1] * tap
+      term = (x[:, i:i + ho, j:j + wo, c:c + 1] * tap).astype(acc_dtype)
       out = term if out is None else out + term
-  return out
+  return out.astype(jnp.result_type(x, kernel))
 
 
 def _conv_shift_add_fwd(x, kernel):
