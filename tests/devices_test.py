@@ -15,7 +15,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class CpuDevicesTest(absltest.TestCase):
 
-  def test_auto_is_one_per_core_capped_by_clients(self):
+  def test_auto_is_fewest_devices_for_shortest_round(self):
     self.assertEqual(devices.auto_cpu_devices(10, cores=2), 2)
     self.assertEqual(devices.auto_cpu_devices(10, cores=16), 10)
     self.assertEqual(devices.auto_cpu_devices(1, cores=2), 1)

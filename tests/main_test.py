@@ -135,7 +135,7 @@ class EndToEndTest(absltest.TestCase):
     self.assertGreater(rows[-1]['fdreg_penalty'], 0.0)
 
   def test_sdfc_sharded_over_devices_matches_one_device(self):
-    # On CPU the runner shards clients over one device per core by default;
+    # On CPU the runner shards clients over up to one device per core;
     # SDFC's per-client state and Fisher statistics must not notice.
     if jax.device_count() < 2:
       self.skipTest('needs 2 devices (conftest.py forces 4)')

@@ -188,7 +188,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, padding: str,
   n, h, w, _ = x.shape
   ho, wo = h - kh + 1, w - kw + 1
   cols = jnp.stack([x[:, i:i + ho, j:j + wo, :]
-                    for i in range(kh) for j in range(kw)], axis=3)
+                    for i, j in _kernel_offsets(kh, kw)], axis=3)
   cols = cols.reshape(n, ho, wo, kh * kw * cin)
   return matmul(cols, kernel.reshape(kh * kw * cin, cout))
 
