@@ -45,7 +45,9 @@ from experiments.devices import configure_cpu_devices
 from fedrobust import engine
 from fedrobust.aggregators import get_aggregator
 from fedrobust.engine.execution import STRATEGIES
+from fedrobust.cohort import single_cohort
 from fedrobust.methods import get_method
+from fedrobust.transforms import identity
 from fedrobust.models import (COMPUTE_DTYPES, CONV_IMPLS, MODELS,
                               default_compute_dtype, default_conv_impl,
                               get_model)
@@ -126,11 +128,11 @@ def build_round(strategy: str, *, model_name: str, clients: int,
   local = engine.LocalConfig(batch_size=batch_size, num_epochs=1,
                              steps_per_epoch=local_steps,
                              unroll=scan_unroll or local_steps)
-  agg = (None if aggregator == 'weighted_mean' else
-         get_aggregator(aggregator, num_byzantine=0))
-  method = get_method('fedavg', model=model, local=local,
+  method = get_method('fedavg', cohorts=single_cohort(
+      model, identity(model), clients, clients), local=local,
                       optimizer=engine.sgd(learning_rate=0.01, momentum=0.9,
-                                           weight_decay=1e-5), aggregator=agg)
+                                           weight_decay=1e-5),
+                      aggregator=get_aggregator(aggregator, num_byzantine=0))
   if strategy == 'chunked' and not chunk_size:
     chunk_size = min(clients, 8)
   config = engine.RoundConfig(num_clients=clients, clients_per_round=clients,

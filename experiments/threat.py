@@ -20,7 +20,7 @@ from fedrobust.engine import Threat
 class ThreatSetup(NamedTuple):
   threat: Threat | None
   poison: Any                 # DataPoison or None
-  aggregator: Any             # Aggregator or None (size-weighted mean)
+  aggregator: Any             # Aggregator (the resolved --aggregator)
   triggered_test: tuple[np.ndarray, np.ndarray] | None
   num_malicious: int
   num_byzantine: int
@@ -41,13 +41,20 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                  input_shape: tuple[int, ...], test_x: np.ndarray,
                  test_y: np.ndarray, validation: tuple[np.ndarray,
                                                        np.ndarray],
-                 apply_fn) -> ThreatSetup:
-  """Validates the threat flags and builds the pieces (errors name flags)."""
+                 cohorts: tuple = (), delayed: bool = False) -> ThreatSetup:
+  """Validates the threat flags and builds the pieces (errors name flags).
+
+  Args:
+    config: the resolved run config (config['aggregator'] is a rule name).
+    cohorts: the run's cohorts (fedrobust.cohort.Cohort); rules that track
+      or train the global model need a single identity-transform cohort.
+    delayed: client delays are on (rules with per-slot history refuse).
+  """
   attack = config['attack']
   k = config['num_clients']
   c = config['clients_per_round']
   frac = config['malicious_fraction']
-  if not 0.0 <= frac < 1.0:
+  if not (np.isfinite(frac) and 0.0 <= frac < 1.0):
     raise ValueError(f'--malicious_fraction must be in [0, 1), got {frac}')
   num_malicious = int(round(frac * k))
   if attack != 'none' and attack not in attacks.ATTACKS:
@@ -103,38 +110,46 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
           'grant them')
     model_attack = built.apply
 
-  aggregator = None
   name = config['aggregator']
-  if name != 'weighted_mean':
-    aggregators.check_num_clients(name, c, f)
-    agg_kwargs = _kwargs(config, 'aggregator_kwargs')
-    if name in aggregators.SERVER_DATA_RULES:
-      if len(validation[1]) == 0:
-        raise ValueError(f'--aggregator={name} needs server data: set '
-                         '--validation_fraction and --validation_size > 0')
-      agg_kwargs.update(server_data=validation, apply_fn=apply_fn)
-    if name in ('fltrust', 'finetune'):
-      # The server trains on U the way a client trains on its data: same
-      # optimizer, batch size and number of epochs (FLTrust Alg. 1).
-      v = len(validation[1])
-      steps = -(-v // config['batch_size']) * config['local_epochs']
-      for key, value in (('server_lr', config['local_lr']),
-                         ('server_momentum', config['momentum']),
-                         ('server_batch_size', config['batch_size']),
-                         ('server_steps', steps)):
-        agg_kwargs.setdefault(key, value)
-    if name in aggregators.SLOT_HISTORY_RULES:
-      if c != k:
-        raise ValueError(f'--aggregator={name} keeps per-slot history and '
-                         'needs every client every round: set '
-                         '--clients_per_round=0 (all)')
-      agg_kwargs.setdefault('num_clients', c)
-    if (name in aggregators.MODEL_TRACKING_RULES and
-        config['server_lr'] != 1.0):
-      raise ValueError(f'--aggregator={name} tracks the global model and '
-                       'needs --server_lr=1')
-    aggregator = aggregators.get_aggregator(name, num_byzantine=f,
-                                            **agg_kwargs)
+  # With several cohorts the rule runs once per cohort (and once over the
+  # shared layers of all of them): the smallest cohort must support it.
+  n = min((ch.clients_per_round for ch in cohorts), default=c)
+  aggregators.check_num_clients(name, n, f)
+  agg_kwargs = _kwargs(config, 'aggregator_kwargs')
+  plain = len(cohorts) <= 1 and all(ch.transform.name == 'identity'
+                                    for ch in cohorts)
+  if (name in aggregators.SERVER_DATA_RULES or
+      name in aggregators.MODEL_TRACKING_RULES) and not plain:
+    raise ValueError(f'--aggregator={name} scores or trains the full global '
+                     'model: it needs one cohort and --transform=identity')
+  if name in aggregators.SERVER_DATA_RULES:
+    if len(validation[1]) == 0:
+      raise ValueError(f'--aggregator={name} needs server data: set '
+                       '--validation_fraction and --validation_size > 0')
+    agg_kwargs.update(server_data=validation, apply_fn=cohorts[0].model.apply)
+  if name in ('fltrust', 'finetune'):
+    # The server trains on U the way a client trains on its data: same
+    # optimizer, batch size and number of epochs (FLTrust Alg. 1).
+    v = len(validation[1])
+    steps = -(-v // config['batch_size']) * config['local_epochs']
+    for key, value in (('server_lr', config['local_lr']),
+                       ('server_momentum', config['momentum']),
+                       ('server_batch_size', config['batch_size']),
+                       ('server_steps', steps)):
+      agg_kwargs.setdefault(key, value)
+  if name in aggregators.SLOT_HISTORY_RULES:
+    if c != k or delayed or len(cohorts) > 1:
+      raise ValueError(f'--aggregator={name} keeps per-slot history and '
+                       'needs every client every round, in one cohort and '
+                       'without --client_delay: set --clients_per_round=0 '
+                       '(all)')
+    agg_kwargs.setdefault('num_clients', c)
+  if (name in aggregators.MODEL_TRACKING_RULES and
+      config['server_lr'] != 1.0):
+    raise ValueError(f'--aggregator={name} tracks the global model and '
+                     'needs --server_lr=1')
+  aggregator = aggregators.get_aggregator(name, num_byzantine=f,
+                                          **agg_kwargs)
 
   threat = None
   if attack != 'none':

@@ -1,13 +1,18 @@
 """The host side of a run: data, program, loop, files, resume.
 
-`run(config)` takes a plain dict (main.py builds it from flags; tests build
-it directly). Everything numeric happens in one compiled round program;
-this module only moves data to the device once, calls the program, logs,
-evaluates and checkpoints.
+`run(config)` takes a plain dict with one key per setting
+(experiments/config.py; main.py builds it from flags, tests build it
+directly). Everything numeric happens in one compiled round program; this
+module moves data to the device once, calls the program, logs, evaluates
+and checkpoints. It knows no method by name: a method's settings, server
+data and default aggregator come from its registry entry.
+
+Every check (flags, data, method, threat model) runs before anything is
+written to the workdir.
 
 Files in the workdir:
   config.json            the run's config (resume refuses a changed one)
-  client_histograms.json per-client class histograms of the training data
+  client_histograms.json per-client class histograms, cohort and spec
   metrics.jsonl          one JSON object per evaluated round
   summary.json           final metrics, config, versions, device, hash
   curves.png             accuracy against round
@@ -23,7 +28,7 @@ import json
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,60 +36,28 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fedrobust.checkpoint import Checkpointer
-from fedrobust.data import (DataNotFoundError, build_federated_setup,
-                            load_dataset, subsample)
+from experiments import config as config_lib
 from experiments.devices import configure_cpu_devices
 from experiments.threat import build_threat
+from fedrobust import aggregators
+from fedrobust.checkpoint import Checkpointer
+from fedrobust.cohort import Cohort
+from fedrobust.data import (DataNotFoundError, build_federated_setup,
+                            load_dataset, subsample)
+from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
+                              client_mesh, default_strategy, evaluate,
+                              evaluate_clients, init_server_state,
+                              make_round_step, parse_delay, sgd)
 from fedrobust.engine.evaluate import pad_to_batches
-from fedrobust.engine import (LocalConfig, RoundConfig, client_mesh,
-                              default_strategy, evaluate, evaluate_clients,
-                              init_server_state, make_round_step, sgd)
-from fedrobust.methods import get_method
+from fedrobust.errors import SettingError
+from fedrobust.methods import METHODS
 from fedrobust.models import (default_compute_dtype, default_conv_impl,
                               get_model)
+from fedrobust.pretrain import pretrain
+from fedrobust.transforms import get_transform
 
-CONFIG_KEYS = (
-    'method', 'dataset', 'data_dir', 'model', 'num_clients',
-    'clients_per_round', 'partition', 'dirichlet_alpha', 'classes_per_client',
-    'quantity_alpha', 'validation_fraction', 'validation_size', 'public_size',
-    'local_test_fraction', 'max_train_examples', 'num_rounds', 'local_epochs',
-    'batch_size', 'local_lr', 'momentum', 'weight_decay', 'server_lr',
-    'fedprox_mu', 'eval_every', 'eval_batch_size', 'checkpoint_every',
-    'checkpoints_keep', 'seed', 'workdir', 'client_execution', 'chunk_size',
-    'scan_unroll', 'conv_impl', 'num_devices', 'overwrite',
-    'aggregator', 'aggregator_kwargs', 'num_byzantine', 'attack',
-    'attack_kwargs', 'malicious_fraction', 'resample_malicious',
-    'attack_start_round', 'attacker_knowledge', 'backdoor_target_label',
-    'trigger_location', 'trigger_size', 'trigger_value', 'poison_fraction',
-    'flip_source_label', 'blend_alpha', 'sdfc_lambda', 'sdfc_components',
-    'sdfc_importance', 'sdfc_stiffness', 'sdfc_fisher', 'compute_dtype',
-    'cpu_devices')
-
-# Defaults of the threat-model keys, so runs saved before they existed
-# resume (a missing key compares equal to its default).
-THREAT_DEFAULTS = {
-    'aggregator': 'weighted_mean', 'aggregator_kwargs': '{}',
-    'num_byzantine': -1, 'attack': 'none', 'attack_kwargs': '{}',
-    'malicious_fraction': 0.0, 'resample_malicious': False,
-    'attack_start_round': 1, 'attacker_knowledge': 'benign_stats',
-    'backdoor_target_label': 2, 'trigger_location': 'top_left',
-    'trigger_size': '2x6', 'trigger_value': 255, 'poison_fraction': 0.5,
-    'flip_source_label': -1, 'blend_alpha': 0.2, 'sdfc_lambda': 5.0,
-    'sdfc_components': 'both', 'sdfc_importance': 'fisher',
-    'sdfc_stiffness': 'diff', 'sdfc_fisher': 'per_example',
-    'compute_dtype': 'auto', 'cpu_devices': 0}
-
-# Changing these on resume is not a config change.
-RESUMABLE_KEYS = frozenset({
-    'num_rounds', 'eval_every', 'eval_batch_size', 'checkpoint_every',
-    'checkpoints_keep', 'workdir', 'overwrite'})
-# Changing these on resume is allowed (same math, other program), but the
-# final parameters then match an uninterrupted run only within float
-# tolerance, not bitwise.
-EXECUTION_KEYS = frozenset({
-    'client_execution', 'chunk_size', 'scan_unroll', 'conv_impl',
-    'num_devices', 'cpu_devices'})
+RESUMABLE_KEYS = config_lib.RESUMABLE_KEYS
+EXECUTION_KEYS = config_lib.EXECUTION_KEYS
 
 PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'chex',
             'numpy', 'tensorflow-datasets', 'absl-py')
@@ -94,13 +67,31 @@ class ConfigMismatchError(ValueError):
   """A resume whose config differs from the run in the workdir."""
 
 
+class FlagError(ValueError):
+  """A library SettingError, reported under the flag that set it."""
+
+
 def default_workdir(config: dict[str, Any]) -> str:
   return os.path.join('runs', f"{config['method']}_{config['dataset']}_"
                       f"{config['model']}_s{config['seed']}")
 
 
+def parse_list(text: str, kind, flag: str) -> tuple:
+  try:
+    values = tuple(kind(v) for v in str(text).split(',') if v.strip())
+  except ValueError:
+    raise ValueError(f'--{flag}={text!r}: expected comma-separated '
+                     f'{kind.__name__}s') from None
+  if not values:
+    raise ValueError(f'--{flag} is empty')
+  return values
+
+
 def validate(config: dict[str, Any]) -> None:
-  """Checks settings the registries and partitioners do not; names flags."""
+  """Checks settings the library does not (names flags)."""
+  if config['method'] not in METHODS:
+    raise ValueError(f"--method={config['method']!r} is not a known method; "
+                     f'expected one of {sorted(METHODS)}')
   positive = ('num_clients', 'num_rounds', 'local_epochs', 'batch_size',
               'eval_every', 'eval_batch_size', 'checkpoint_every',
               'checkpoints_keep')
@@ -109,29 +100,178 @@ def validate(config: dict[str, Any]) -> None:
       raise ValueError(f'--{key} must be >= 1, got {config[key]}')
   for key in ('clients_per_round', 'max_train_examples', 'validation_size',
               'public_size', 'chunk_size', 'scan_unroll', 'num_devices',
-              'cpu_devices'):
+              'cpu_devices', 'pretrain_epochs'):
     if config[key] < 0:
       raise ValueError(f'--{key} must be >= 0, got {config[key]}')
   if config['clients_per_round'] > config['num_clients']:
     raise ValueError(f"--clients_per_round={config['clients_per_round']} "
                      f"exceeds --num_clients={config['num_clients']}")
-  if config['local_lr'] <= 0:
-    raise ValueError(f"--local_lr must be > 0, got {config['local_lr']}")
-  if not 0 <= config['momentum'] < 1:
+  finite = lambda v: isinstance(v, (int, float)) and np.isfinite(v)
+  if not (finite(config['local_lr']) and config['local_lr'] > 0):
+    raise ValueError(f"--local_lr must be a finite number > 0, got "
+                     f"{config['local_lr']}")
+  if not (finite(config['momentum']) and 0 <= config['momentum'] < 1):
     raise ValueError(f"--momentum must be in [0, 1), got {config['momentum']}")
-  if config['weight_decay'] < 0:
-    raise ValueError(f"--weight_decay must be >= 0, got "
+  if not (finite(config['weight_decay']) and config['weight_decay'] >= 0):
+    raise ValueError(f"--weight_decay must be a finite number >= 0, got "
                      f"{config['weight_decay']}")
-  if config['method'] == 'fedprox' and config['fedprox_mu'] <= 0:
-    raise ValueError('--method=fedprox needs --fedprox_mu > 0')
-  if config['method'] != 'fedprox' and config['fedprox_mu'] != 0:
-    raise ValueError(f"--fedprox_mu is only used by --method=fedprox, not "
-                     f"--method={config['method']}")
+  if not (finite(config['server_lr']) and config['server_lr'] > 0):
+    raise ValueError(f"--server_lr must be a finite number > 0, got "
+                     f"{config['server_lr']}")
+  config_lib.check_foreign_settings(config)
   if config['client_execution'] != 'chunked' and config['chunk_size']:
     raise ValueError('--chunk_size needs --client_execution=chunked')
   if config['dataset'] == 'idx' and not config['data_dir']:
     raise ValueError('--dataset=idx needs --data_dir (a directory with the '
                      'four IDX files)')
+  if config['transform'] != 'lora' and config['lora_ranks'] != '8':
+    raise ValueError('--lora_ranks needs --transform=lora')
+  if config['transform'] != 'width' and (config['width_ratios'] != '1' or
+                                         config['width_rolling']):
+    raise ValueError('--width_ratios/--width_rolling need --transform=width')
+  if config['pretrain_epochs'] and not config['public_size']:
+    raise ValueError('--pretrain_epochs needs a public split: '
+                     '--public_size > 0')
+  spec = METHODS[config['method']]
+  if not spec.cohorts and (config['cohorts'] or
+                           config['transform'] != 'identity'):
+    raise ValueError(f"--method={config['method']} trains one full model: "
+                     'it takes no --cohorts and --transform=identity')
+
+
+# ----------------------------------------------------------------------------
+# Cohorts: who trains which architecture, with which transform setting.
+# ----------------------------------------------------------------------------
+
+
+def parse_cohorts(text: str, default_model: str
+                  ) -> list[tuple[str, float]]:
+  """'simple_cnn:0.5,row_lstm:0.5' -> [(model, share)]; '' -> [(model, 1)]."""
+  if not text:
+    return [(default_model, 1.0)]
+  out = []
+  for item in text.split(','):
+    name, _, share = item.strip().partition(':')
+    try:
+      value = float(share) if share else 1.0
+    except ValueError:
+      raise ValueError(f'--cohorts: {item!r} is not model:share') from None
+    if not value > 0:
+      raise ValueError(f'--cohorts: share of {name!r} must be > 0')
+    out.append((name, value))
+  return out
+
+
+def largest_remainder(total: int, weights: list[float], minimum: int = 1,
+                      caps: list[int] | None = None) -> list[int]:
+  """Integers >= minimum (<= caps) summing to total, proportional to
+  weights."""
+  w = np.asarray(weights, np.float64) / np.sum(weights)
+  counts = np.maximum(np.floor(w * total).astype(int), minimum)
+  if caps is not None:
+    counts = np.minimum(counts, caps)
+  while counts.sum() < total:
+    room = (w * total - counts) + (0 if caps is None else
+                                   -1e9 * (counts >= np.asarray(caps)))
+    counts[int(np.argmax(room))] += 1
+  while counts.sum() > total:
+    room = (counts - w * total) - 1e9 * (counts <= minimum)
+    counts[int(np.argmax(room))] -= 1
+  return counts.tolist()
+
+
+def assign_cohorts(config: dict[str, Any]
+                   ) -> tuple[list[tuple[str, float]], list[np.ndarray],
+                              list[int]]:
+  """(cohort entries, member ids per cohort, clients per round per cohort).
+
+  Members come from a seeded permutation of the K clients split by share;
+  C_j is C split the same way (C_j = K_j when every client trains).
+  """
+  entries = parse_cohorts(config['cohorts'], config['model'])
+  k, c = config['num_clients'], config['clients_per_round']
+  if len(entries) > k:
+    raise ValueError(f'--cohorts has {len(entries)} cohorts for '
+                     f'--num_clients={k}')
+  sizes = largest_remainder(k, [s for _, s in entries])
+  perm = np.random.default_rng(config['seed'] + 11).permutation(k)
+  members, start = [], 0
+  for size in sizes:
+    members.append(np.sort(perm[start:start + size]))
+    start += size
+  if c == k:
+    per_round = list(sizes)
+  else:
+    if c < len(entries):
+      raise ValueError(f'--clients_per_round={c} is fewer than the '
+                       f'{len(entries)} cohorts')
+    per_round = largest_remainder(c, sizes, caps=sizes)
+  return entries, members, per_round
+
+
+def assign_specs(values: tuple, num_clients: int, seed: int) -> np.ndarray:
+  """float32[K]: values dealt round-robin over a seeded client order."""
+  order = np.random.default_rng(seed + 13).permutation(num_clients)
+  out = np.zeros(num_clients, np.float32)
+  out[order] = np.resize(np.asarray(values, np.float32), num_clients)
+  return out
+
+
+def build_cohorts(config: dict[str, Any], *, num_classes: int,
+                  input_shape: tuple[int, ...], conv_impl: str,
+                  compute_dtype: str) -> tuple[tuple[Cohort, ...],
+                                               np.ndarray]:
+  """The run's cohorts and the per-client transform spec (float32[K])."""
+  entries, members, per_round = assign_cohorts(config)
+  transform = config['transform']
+  specs = np.zeros(config['num_clients'], np.float32)
+  kwargs: dict[str, Any] = {}
+  if transform == 'lora':
+    ranks = parse_list(config['lora_ranks'], int, 'lora_ranks')
+    specs = assign_specs(ranks, config['num_clients'], config['seed'])
+    kwargs = dict(ranks=ranks, alpha=config['lora_alpha'],
+                  targets=parse_list(config['lora_targets'], str,
+                                     'lora_targets'))
+  elif transform == 'width':
+    ratios = parse_list(config['width_ratios'], float, 'width_ratios')
+    specs = assign_specs(ratios, config['num_clients'], config['seed'])
+    kwargs = dict(ratios=ratios, rolling=config['width_rolling'])
+  cohorts, seen = [], {}
+  for (name, _), ids, c_j in zip(entries, members, per_round):
+    model = get_model(name, num_classes=num_classes, input_shape=input_shape,
+                      conv_impl=conv_impl,
+                      dtype=None if compute_dtype == 'float32' else
+                      jnp.dtype(compute_dtype))
+    label = name if name not in seen else f'{name}_{seen[name]}'
+    seen[name] = seen.get(name, 0) + 1
+    cohorts.append(Cohort(label, model, get_transform(transform, model,
+                                                      **kwargs),
+                          tuple(int(i) for i in ids), int(c_j),
+                          tuple(float(v) for v in specs)))
+  return tuple(cohorts), specs
+
+
+def upload_bytes(cohort: Cohort, template: Any) -> dict[str, int]:
+  """Bytes a client of each spec uploads per round (float32 coordinates it
+  owns), keyed by spec ('' without specs)."""
+  t = cohort.transform
+  values = t.spec_values or (None,)
+  out = {}
+  for v in values:
+    cov = t.coverage(template, None if v is None else jnp.float32(v),
+                     jnp.int32(0))
+    if cov is None:
+      count = sum(int(np.prod(leaf.shape)) for leaf in
+                  jax.tree.leaves(template))
+    else:
+      count = int(sum(float(jnp.sum(c)) for c in jax.tree.leaves(cov)))
+    out['' if v is None else f'{t.spec_name}={v:g}'] = 4 * count
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Files.
+# ----------------------------------------------------------------------------
 
 
 def _json_number(value: Any) -> float | None:
@@ -186,13 +326,14 @@ def prepare_workdir(config: dict[str, Any]) -> None:
   """Creates the workdir, or checks that a resume keeps the config."""
   workdir = config['workdir']
   path = os.path.join(workdir, 'config.json')
+  defaults = config_lib.defaults()
   if os.path.exists(path):
     with open(path) as f:
       saved = json.load(f)
     differ = sorted(k for k in set(saved) | set(config)
                     if k not in RESUMABLE_KEYS | EXECUTION_KEYS
-                    and saved.get(k, THREAT_DEFAULTS.get(k)) !=
-                    config.get(k, THREAT_DEFAULTS.get(k)))
+                    and saved.get(k, defaults.get(k)) !=
+                    config.get(k, defaults.get(k)))
     if differ and not config['overwrite']:
       details = ', '.join(f'--{k} (was {saved.get(k)!r}, now '
                           f'{config.get(k)!r})' for k in differ)
@@ -241,9 +382,13 @@ def plot_curves(path: str, rows: list[dict[str, Any]], title: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(6, 4))
   rounds = [r['round'] for r in rows]
-  for key, label in (('test_accuracy', 'global test'),
-                     ('local_accuracy', 'local test (mean over clients)'),
-                     ('attack_success_rate', 'attack success')):
+  keys = [('test_accuracy', 'global test'),
+          ('local_accuracy', 'local test (mean over clients)'),
+          ('attack_success_rate', 'attack success')]
+  variants = sorted({k.split('/', 1)[1] for r in rows for k in r
+                     if k.startswith('test_accuracy/')})
+  keys += [(f'test_accuracy/{v}', f'global test: {v}') for v in variants]
+  for key, label in keys:
     values = [r.get(key) for r in rows]
     if any(v is not None for v in values):
       ax.plot(rounds, values, marker='.', label=label)
@@ -251,29 +396,50 @@ def plot_curves(path: str, rows: list[dict[str, Any]], title: str) -> None:
   ax.set_ylabel('accuracy')
   ax.set_ylim(0, 1)
   ax.grid(alpha=0.3)
-  ax.legend()
+  ax.legend(fontsize=7)
   ax.set_title(title)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
 
 
+# ----------------------------------------------------------------------------
+# Building the run (no file is touched).
+# ----------------------------------------------------------------------------
+
+
 def resolve(config: dict[str, Any]) -> dict[str, Any]:
-  """Fills 'auto'/0 defaults that depend on the backend or other flags."""
-  config = dict(config)
+  """Fills defaults that depend on other settings ('auto', 0, unset)."""
+  config = {**config_lib.defaults(), **config}
   if not config.get('workdir'):
     config['workdir'] = default_workdir(config)
   if not config['clients_per_round']:
     config['clients_per_round'] = config['num_clients']
+  if config['aggregator'] == 'auto':
+    spec = METHODS.get(config["method"])
+    if spec is not None:
+      config['aggregator'] = spec.default_aggregator(
+          config_lib.settings_of(config['method'], config))
   return config
 
 
-def run(config: dict[str, Any]) -> dict[str, Any]:
-  """Runs (or resumes) one experiment; returns the summary dict."""
-  config = resolve(config)
-  validate(config)
-  # Before anything starts JAX's CPU backend (a no-op once it has).
-  configure_cpu_devices(config['cpu_devices'], config['clients_per_round'])
+class Program(NamedTuple):
+  """Everything a run needs, built and checked before the workdir."""
+  setup: Any
+  cohorts: tuple[Cohort, ...]
+  specs: np.ndarray
+  method: Any
+  threat: Any
+  round_config: RoundConfig
+  mesh: Any
+  local: LocalConfig
+  optimizer: Any
+  server_data: dict[str, Any]
+  resolved: dict[str, Any]
+
+
+def build(config: dict[str, Any]) -> Program:
+  """Data, cohorts, method, threat and round program, fully checked."""
   backend = jax.default_backend()
   strategy = (default_strategy(backend) if config['client_execution'] ==
               'auto' else config['client_execution'])
@@ -281,7 +447,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
       min(config['clients_per_round'], 16) if strategy == 'chunked' else 0)
   conv_impl = (default_conv_impl(backend) if config['conv_impl'] == 'auto'
                else config['conv_impl'])
-  compute_dtype = config.get('compute_dtype', 'auto')
+  compute_dtype = config['compute_dtype']
   if compute_dtype == 'auto':
     compute_dtype = default_compute_dtype(backend)
   num_devices = config['num_devices'] or jax.local_device_count()
@@ -300,17 +466,11 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
       public_size=config['public_size'],
       local_test_fraction=config['local_test_fraction'],
       eval_batch_size=config['eval_batch_size'])
-  prepare_workdir(config)
-  workdir = config['workdir']
-  _write_json(os.path.join(workdir, 'client_histograms.json'), {
-      'num_classes': setup.num_classes,
-      'train_counts': setup.train.count.tolist(),
-      'histograms': setup.histograms.tolist()})
+  cohorts, specs = build_cohorts(
+      config, num_classes=setup.num_classes, input_shape=setup.input_shape,
+      conv_impl=conv_impl, compute_dtype=compute_dtype)
+  delay = parse_delay(config['client_delay'])
 
-  model = get_model(config['model'], num_classes=setup.num_classes,
-                    input_shape=setup.input_shape, conv_impl=conv_impl,
-                    dtype=None if compute_dtype == 'float32' else
-                    jnp.dtype(compute_dtype))
   n_max = setup.train.x.shape[1]
   steps_per_epoch = -(-n_max // config['batch_size'])
   local = LocalConfig(
@@ -325,51 +485,211 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
       config, num_classes=setup.num_classes, input_shape=setup.input_shape,
       test_x=dataset.test_x, test_y=dataset.test_y,
       validation=(setup.validation_x, setup.validation_y),
-      apply_fn=model.apply)
-  method_kwargs = {}
-  server_data = ()
-  if config['method'] == 'sdfc':
-    if not config['validation_size']:
-      raise ValueError('--method=sdfc needs a clean validation sample: '
-                       '--validation_fraction > 0 and --validation_size > 0')
-    method_kwargs = dict(
-        lam=config['sdfc_lambda'], components=config['sdfc_components'],
-        importance=config['sdfc_importance'],
-        stiffness=config['sdfc_stiffness'], fisher_mode=config['sdfc_fisher'])
-    server_data = tuple(map(jnp.asarray, pad_to_batches(
-        setup.validation_x, setup.validation_y, config['batch_size'])))
-  method = get_method(config['method'], model=model, local=local,
-                      optimizer=optimizer, server_lr=config['server_lr'],
-                      proximal_mu=config['fedprox_mu'],
-                      aggregator=threat.aggregator, poison=threat.poison,
-                      **method_kwargs)
+      cohorts=cohorts, delayed=delay is not None)
+
+  spec = METHODS[config['method']]
+  settings = config_lib.settings_of(config['method'], config)
+  spec.validate(settings, config['aggregator'])
+  server_data = {}
+  for name in spec.server_data:
+    if name == 'validation':
+      if not config['validation_size']:
+        raise ValueError(f"--method={config['method']} needs a clean "
+                         'validation sample: --validation_fraction > 0 and '
+                         '--validation_size > 0')
+      server_data[name] = tuple(map(jnp.asarray, pad_to_batches(
+          setup.validation_x, setup.validation_y, config['batch_size'])))
+  method = spec.build(cohorts=cohorts, local=local, optimizer=optimizer,
+                      aggregator=threat.aggregator,
+                      server_lr=config['server_lr'], poison=threat.poison,
+                      num_clients=config['num_clients'], **settings)
+  aggregators.check_provided(config['aggregator'], threat.aggregator,
+                             method.provides)
   round_config = RoundConfig(
       num_clients=config['num_clients'],
       clients_per_round=config['clients_per_round'], strategy=strategy,
-      chunk_size=chunk_size, num_devices=num_devices if mesh else 1)
-  round_step = make_round_step(method, round_config, mesh=mesh,
-                               threat=threat.threat)
+      chunk_size=chunk_size, num_devices=num_devices if mesh else 1,
+      cohorts=tuple(CohortSlots(c.members, c.clients_per_round)
+                    for c in cohorts) if len(cohorts) > 1 else (),
+      delay=delay)
+  resolved = {'client_execution': strategy, 'chunk_size': chunk_size,
+              'conv_impl': conv_impl, 'compute_dtype': compute_dtype,
+              'num_devices': num_devices, 'backend': backend,
+              'steps_per_round': local.num_steps, 'padded_client_size': n_max,
+              'aggregator': config['aggregator']}
+  return Program(setup, cohorts, specs, method, threat, round_config, mesh,
+                 local, optimizer, server_data, resolved)
 
+
+# ----------------------------------------------------------------------------
+# Evaluation.
+# ----------------------------------------------------------------------------
+
+
+class Evaluator:
+  """Global, local and backdoor accuracy of every model a method reports.
+
+  For one cohort the headline model's metrics are `test_accuracy`,
+  `local_accuracy`, ...; other models (width submodels, cohorts) add
+  `<metric>/<label>`. With several cohorts the headline numbers are the
+  member-weighted means over the cohorts' global models, and
+  local_accuracy is the mean over all clients of their own cohort's model.
+  """
+
+  def __init__(self, program: Program, put, eval_batch_size: int):
+    self.cohorts = program.cohorts
+    self.num_clients = program.setup.train.count.shape[0]
+    self.test = put(tuple(map(jnp.asarray, program.setup.test)))
+    lt = program.setup.local_test
+    self.local_tests = [put(tuple(jnp.asarray(a[np.asarray(c.members)])
+                                  for a in lt)) for c in self.cohorts]
+    self.eval_fns = [jax.jit(functools.partial(evaluate, c.model.apply))
+                     for c in self.cohorts]
+    self.client_fns = [jax.jit(functools.partial(evaluate_clients,
+                                                 c.model.apply))
+                       for c in self.cohorts]
+    self.triggered = None
+    if program.threat.triggered_test is not None:
+      self.triggered = put(tuple(map(jnp.asarray, pad_to_batches(
+          *program.threat.triggered_test, eval_batch_size))))
+
+  def __call__(self, models) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    own_local: dict[int, float] = {}
+    per_cohort: dict[int, dict[str, float]] = {}
+    for m in models:
+      c = self.cohorts[m.cohort]
+      test = jax.device_get(self.eval_fns[m.cohort](m.params, *self.test))
+      local = jax.device_get(self.client_fns[m.cohort](
+          m.params, *self.local_tests[m.cohort]))
+      members = list(c.members)
+      wanted = set(m.clients) if m.clients is not None else set(members)
+      pick = np.array([i in wanted for i in members])
+      has = (np.asarray(local['count']) > 0) & pick
+      values = {'test_accuracy': float(test['accuracy']),
+                'test_loss': float(test['loss']),
+                'local_accuracy': (float(np.mean(local['accuracy'][has]))
+                                   if has.any() else None)}
+      if self.triggered is not None:
+        asr = float(self.eval_fns[m.cohort](m.params,
+                                            *self.triggered)['accuracy'])
+        values.update(attack_success_rate=asr, backdoor_failure_rate=1 - asr,
+                      tradeoff_v=(values['test_accuracy'] + 1 - asr) / 2)
+      suffix = f'/{m.label}' if m.label else ''
+      row.update({k + suffix: v for k, v in values.items()})
+      if m.clients is None:
+        per_cohort[m.cohort] = values
+        for i, ok, acc in zip(members, np.asarray(local['count']) > 0,
+                              np.asarray(local['accuracy'])):
+          if ok:
+            own_local[i] = float(acc)
+    if len(self.cohorts) > 1:
+      share = np.array([len(c.members) for c in self.cohorts], np.float64)
+      share /= share.sum()
+      for key in ('test_accuracy', 'test_loss', 'attack_success_rate',
+                  'backdoor_failure_rate', 'tradeoff_v'):
+        if key in per_cohort[0]:
+          row[key] = float(sum(s * per_cohort[j][key]
+                               for j, s in enumerate(share)))
+      row['local_accuracy'] = (float(np.mean(list(own_local.values())))
+                               if own_local else None)
+    return row
+
+
+HEADLINE = ('test_accuracy', 'local_accuracy', 'attack_success_rate',
+            'backdoor_failure_rate', 'tradeoff_v')
+
+
+# ----------------------------------------------------------------------------
+# The run.
+# ----------------------------------------------------------------------------
+
+
+def run(config: dict[str, Any]) -> dict[str, Any]:
+  """Runs (or resumes) one experiment; returns the summary dict.
+
+  Raises:
+    FlagError, ValueError, ConfigMismatchError, DataNotFoundError: bad
+      settings or data, each naming the flag or path; nothing is written
+      to the workdir before every check has passed.
+  """
+  try:
+    return _run(config)
+  except SettingError as err:
+    method = config.get('method', 'fedavg')
+    raise FlagError(config_lib.describe_error(
+        err, method if method in METHODS else 'fedavg')) from err
+
+
+def _run(config: dict[str, Any]) -> dict[str, Any]:
+  config = resolve(config)
+  validate(config)
+  # Before anything starts JAX's CPU backend (a no-op once it has).
+  configure_cpu_devices(config['cpu_devices'], config['clients_per_round'])
+  program = build(config)
+  setup, cohorts, method = program.setup, program.cohorts, program.method
+
+  prepare_workdir(config)
+  workdir = config['workdir']
+  cohort_of = np.zeros(config['num_clients'], int)
+  for j, c in enumerate(cohorts):
+    cohort_of[list(c.members)] = j
+  _write_json(os.path.join(workdir, 'client_histograms.json'), {
+      'num_classes': setup.num_classes,
+      'train_counts': setup.train.count.tolist(),
+      'histograms': setup.histograms.tolist(),
+      'cohort': [cohorts[j].name for j in cohort_of],
+      'spec': ({cohorts[0].transform.spec_name: program.specs.tolist()}
+               if cohorts[0].transform.spec_name else {})})
+
+  mesh = program.mesh
   replicated = NamedSharding(mesh, P()) if mesh else None
   put = functools.partial(jax.device_put, device=replicated)
   data = put(jax.tree.map(jnp.asarray, setup.train))
-  test = put(tuple(map(jnp.asarray, setup.test)))
-  local_test = put(tuple(map(jnp.asarray, setup.local_test)))
-  server_data = put(server_data)
-  triggered = None
-  if threat.triggered_test is not None:
-    triggered = put(tuple(map(jnp.asarray, pad_to_batches(
-        *threat.triggered_test, config['eval_batch_size']))))
+  server_data = put(program.server_data)
+  round_step = make_round_step(method, program.round_config, mesh=mesh,
+                               threat=program.threat.threat)
 
   init_key = jax.random.key(config['seed'])
-  state = put(init_server_state(method, model.init(init_key),
-                                config['num_clients'], config['seed'] + 1))
+  fresh = tuple(c.model.init(init_key if j == 0 else
+                             jax.random.fold_in(init_key, j))
+                for j, c in enumerate(cohorts))
+
+  def initial_state(params):
+    return init_server_state(method, params, config['num_clients'],
+                             config['seed'] + 1, config=program.round_config,
+                             data=data, server_data=server_data)
+
+  template = jax.eval_shape(initial_state, fresh)
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
                               keep=config['checkpoints_keep'])
-  restored = checkpointer.restore_latest(state)
+  restored = checkpointer.restore_latest(template)
+  pretrain_info = {}
   if restored is not None:
     state = put(restored[1])
     logging.info('resumed from round %d in %s', restored[0], workdir)
+  else:
+    if config['pretrain_epochs']:
+      pretrained = []
+      for j, (c, p) in enumerate(zip(cohorts, fresh)):
+        t0 = time.perf_counter()
+        p, stats = pretrain(
+            c.model.apply, p, setup.public_x, setup.public_y,
+            epochs=config['pretrain_epochs'],
+            batch_size=config['batch_size'], optimizer=program.optimizer,
+            key=jax.random.fold_in(jax.random.key(config['seed'] + 5), j))
+        acc = float(jax.jit(functools.partial(evaluate, c.model.apply))(
+            p, *map(jnp.asarray, setup.test))['accuracy'])
+        pretrain_info[c.name] = {
+            'test_accuracy': acc, 'train_loss': float(stats['train_loss']),
+            'seconds': time.perf_counter() - t0,
+            'public_examples': int(len(setup.public_y))}
+        logging.info('pretrained %s centrally: %d epochs on %d public '
+                     'examples, test accuracy %.4f', c.name,
+                     config['pretrain_epochs'], len(setup.public_y), acc)
+        pretrained.append(p)
+      fresh = tuple(pretrained)
+    state = put(initial_state(fresh))
   start_round = int(state.round)
   metrics_path = os.path.join(workdir, 'metrics.jsonl')
   rows = truncate_metrics(metrics_path, start_round)
@@ -378,14 +698,15 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, data, server_data).compile()
   compile_seconds = time.perf_counter() - t0
-  eval_fn = jax.jit(functools.partial(evaluate, model.apply))
-  eval_clients_fn = jax.jit(functools.partial(evaluate_clients, model.apply))
+  evaluator = Evaluator(program, put, config['eval_batch_size'])
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   flops_per_round = float((cost or {}).get('flops', float('nan')))
+  resolved = program.resolved
   logging.info('round program compiled in %.1fs (%s, %s, conv=%s, %d '
-               'device(s))', compile_seconds, backend, strategy, conv_impl,
-               num_devices)
+               'device(s))', compile_seconds, resolved['backend'],
+               resolved['client_execution'], resolved['conv_impl'],
+               resolved['num_devices'])
 
   num_rounds = config['num_rounds']
   round_times = []
@@ -394,6 +715,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
   detection_totals = {k: (rows[-1].get('cumulative_' + k, 0.0) if rows
                           else 0.0)
                       for k in ('det_tp', 'det_fp', 'det_fn', 'det_tn')}
+  threat = program.threat
   for rnd in range(start_round + 1, num_rounds + 1):
     t0 = time.perf_counter()
     state, metrics = compiled(state, data, server_data)
@@ -411,35 +733,27 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     line = (f"round {rnd}/{num_rounds} train_loss "
             f"{float(metrics['train_loss']):.4f} {seconds:.2f}s "
             f"{samples / seconds:,.0f} samples/s")
+    if 'staleness_mean' in metrics:
+      line += (f" arrivals {int(metrics['arrivals'])} staleness "
+               f"{float(metrics['staleness_mean']):.2f}")
     if rnd % config['eval_every'] == 0 or rnd == num_rounds:
-      test_m = jax.device_get(eval_fn(state.params, *test))
-      local_m = jax.device_get(eval_clients_fn(state.params, *local_test))
-      has_local = local_m['count'] > 0
-      row = {
-          'round': rnd,
-          'test_accuracy': float(test_m['accuracy']),
-          'test_loss': float(test_m['loss']),
-          'local_accuracy': (float(np.mean(local_m['accuracy'][has_local]))
-                             if has_local.any() else None),
-          'round_seconds': seconds,
-          'samples_per_second': samples / seconds,
-      }
+      row = {'round': rnd}
+      row.update(evaluator(method.eval_models(state)))
+      row.update(round_seconds=seconds, samples_per_second=samples / seconds)
       row.update({k: _json_number(v) for k, v in metrics.items()})
-      if triggered is not None:
-        asr = float(eval_fn(state.params, *triggered)['accuracy'])
-        row['attack_success_rate'] = asr
-        row['backdoor_failure_rate'] = 1.0 - asr
-        row['tradeoff_v'] = (row['test_accuracy'] + 1.0 - asr) / 2
       rows.append(row)
       with open(metrics_path, 'a') as f:
         f.write(json.dumps(row) + '\n')
         f.flush()
         os.fsync(f.fileno())
       line += f" test_acc {row['test_accuracy']:.4f}"
-      if row['local_accuracy'] is not None:
+      if row.get('local_accuracy') is not None:
         line += f" local_acc {row['local_accuracy']:.4f}"
       if 'attack_success_rate' in row:
         line += f" asr {row['attack_success_rate']:.4f}"
+      for key in sorted(row):
+        if key.startswith('test_accuracy/'):
+          line += f" {key.split('/', 1)[1]} {row[key]:.4f}"
     eta = np.mean(round_times[-5:]) * (num_rounds - rnd)
     logging.info('%s eta %.0fs', line, eta)
     if rnd % config['checkpoint_every'] == 0 or rnd == num_rounds:
@@ -448,22 +762,30 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
 
   final = rows[-1] if rows else {}
   last5 = {}
-  for key in ('test_accuracy', 'local_accuracy', 'attack_success_rate',
-              'backdoor_failure_rate', 'tradeoff_v'):
+  keys = sorted({k for r in rows[-5:] for k in r
+                 if k.split('/', 1)[0] in HEADLINE})
+  for key in keys:
     values = [r[key] for r in rows[-5:] if r.get(key) is not None]
     if values:
       last5[key] = float(np.mean(values))
+  template_trainables = jax.eval_shape(lambda s: s.params, state)
   summary = {
       'final': final,
       # The SDFC paper reports A, R and V as means over the last 5 rounds.
       'final_mean_last5': last5,
       'rounds_completed': int(state.round),
       'config': {k: v for k, v in config.items() if k != 'overwrite'},
-      'resolved': {'client_execution': strategy, 'chunk_size': chunk_size,
-                   'conv_impl': conv_impl, 'compute_dtype': compute_dtype,
-                   'num_devices': num_devices,
-                   'steps_per_round': local.num_steps,
-                   'padded_client_size': n_max},
+      'resolved': {k: v for k, v in resolved.items() if k != 'backend'},
+      'cohorts': {c.name: {'model': c.model.name, 'clients': len(c.members),
+                           'clients_per_round': c.clients_per_round,
+                           'transform': c.transform.name,
+                           'upload_bytes_per_client': upload_bytes(
+                               c, template_trainables[j]),
+                           'full_model_bytes': 4 * sum(
+                               int(np.size(l)) for l in
+                               jax.tree.leaves(fresh[j]))}
+                  for j, c in enumerate(cohorts)},
+      'pretrain': pretrain_info,
       'compile_seconds': compile_seconds,
       'flops_per_round': flops_per_round,
       'mean_round_seconds': (float(np.mean(round_times)) if round_times
@@ -476,5 +798,9 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
   if rows:
     plot_curves(os.path.join(workdir, 'curves.png'), rows,
                 f"{config['method']} / {config['dataset']} / "
-                f"{config['model']}")
+                f"{config['cohorts'] or config['model']}")
   return summary
+
+
+__all__ = ['ConfigMismatchError', 'DataNotFoundError', 'EXECUTION_KEYS',
+           'FlagError', 'RESUMABLE_KEYS', 'run']

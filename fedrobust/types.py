@@ -1,17 +1,23 @@
-"""State and data containers shared by the engine and the methods.
+"""State, data and component contracts shared by the engine and the methods.
 
-Dimension letters: K all clients of the federation, C clients in a round, N
-examples of the largest client (padding), S local steps, B batch.
+Dimension letters: K all clients of the federation, C clients in a round
+(C_j in cohort j), P a cohort's arrival slots (C_j without client delays,
+C_j * (max_delay + 1) with them), N examples of the largest client
+(padding), S local steps, B batch.
+
+Methods import this module, never the engine: the engine batches, shards
+and sequences what a Method declares.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 
 Params = Any
 PyTree = Any
+Info = dict[str, jax.Array]
 
 
 class FederatedData(NamedTuple):
@@ -42,17 +48,108 @@ class BatchPlan(NamedTuple):
 
 
 class ClientOutput(NamedTuple):
-  """What ONE client returns; stacked over the round's clients as [C, ...]."""
-  delta: Params          # client_params - server_params
+  """What ONE client returns; stacked over a cohort's slots as [C, ...].
+
+  coverage: None when the client's update covers every coordinate of its
+  cohort's trainable tree; otherwise a tree shaped like `delta` holding 1.0
+  where the client owns the coordinate (a width-sliced submodel, a LoRA
+  rank below the cohort's largest) and 0.0 elsewhere. Aggregators that read
+  coverage average each coordinate over its owners only.
+  """
+  delta: Params          # client trainable - broadcast trainable
   weight: jax.Array      # float32[], aggregation weight (examples seen)
   client_state: PyTree   # the method's new per-client state (() if none)
   metrics: dict[str, jax.Array]  # float32[] each
+  coverage: Params | None = None
+
+
+class Arrivals(NamedTuple):
+  """The updates a cohort hands the server this round, leaves [P, ...].
+
+  Without client delays these are the round's own C_j slots. With delays
+  (engine.delay), they are the cohort's in-flight buffer, and `mask` marks
+  the entries that arrive this round. A masked entry never changes a
+  result, whatever it holds.
+  """
+  ids: jax.Array          # int32[P] client ids
+  mask: jax.Array         # bool[P] real and arriving now
+  outputs: ClientOutput   # leaves [P, ...]
+  staleness: jax.Array    # int32[P] rounds since the broadcast it used
+
+
+class PendingBuffer(NamedTuple):
+  """A cohort's updates in flight: a ring of R = max_delay + 1 rounds of C_j
+  slots (P = R * C_j entries). Round r writes ring row r mod R; an entry
+  written in round r arrives by round r + max_delay, before its row is
+  reused."""
+  outputs: ClientOutput     # leaves [P, ...]
+  ids: jax.Array            # int32[P]
+  is_malicious: jax.Array   # bool[P] (for detection metrics only)
+  computed_round: jax.Array  # int32[P] round in which it was computed
+  arrival_round: jax.Array  # int32[P]
+  valid: jax.Array          # bool[P] still waiting to arrive
+
+
+class AsyncState(NamedTuple):
+  """Semi-asynchronous bookkeeping, part of the checkpointed ServerState."""
+  buffers: tuple[PendingBuffer, ...]   # one per cohort
+  busy_until: jax.Array                # int32[K] last round a client is busy
 
 
 class ServerState(NamedTuple):
   """Everything a round reads and writes; checkpointed as one pytree."""
   round: jax.Array     # int32[], rounds completed
-  params: Params       # the global model
+  params: tuple[Params, ...]  # the global trainable tree of each cohort
   method_state: PyTree  # server-side state of the method (per-client arrays
                         # are indexed by client id: leaves [K, ...])
   key: jax.Array       # PRNG key data (uint32[2]); see engine.round
+  pending: AsyncState | tuple = ()   # () without client delays
+
+
+class EvalModel(NamedTuple):
+  """One model to evaluate: `label` '' is the run's headline model.
+
+  clients: whose local test splits its local accuracy averages over (None:
+  every member of its cohort).
+  """
+  label: str
+  cohort: int      # whose architecture (Model) evaluates it
+  params: Params   # full params for that cohort's Model.apply
+  clients: tuple[int, ...] | None = None
+
+
+class Method(NamedTuple):
+  """A federated algorithm over one or more cohorts, as pure functions.
+
+  A cohort j is a group of clients that share an architecture and a
+  parameter transform; the engine batches each cohort's clients on its own
+  and hands the server every cohort's arrivals at once.
+
+  init(params, num_clients, key) -> (global_params, method_state)
+      params: tuple over cohorts of freshly initialised full model params.
+      global_params: tuple over cohorts of what the server aggregates (the
+      full params, or a LoRA/width trainable tree). Per-client server state
+      is leaves [K, ...] in method_state.
+  broadcast(state, j) -> what every client of cohort j receives (one tree,
+      replicated over the client axis).
+  client_state(method_state, j, ids int32[C_j]) -> per-client inputs
+      [C_j, ...] (() if none).
+  client_update(j, broadcast, client_state, local: LocalData, key,
+      server_data) -> ClientOutput, for ONE client of cohort j.
+  server_update(state, arrivals: tuple[Arrivals], key, server_data)
+      -> (global_params tuple, method_state, info). info['weights'], when
+      present, is a tuple over cohorts of float32[P_j] aggregation weights
+      (0 for an excluded client); the round turns it into detection
+      metrics. Scalar info entries are logged.
+  eval_models(state) -> tuple[EvalModel, ...] (host side, eager).
+  provides: the keyword extras this method can hand an aggregator
+      ('weights', 'ids', 'coverage', 'staleness', 'scores').
+  """
+  name: str
+  init: Callable[..., tuple[tuple[Params, ...], PyTree]]
+  broadcast: Callable[[ServerState, int], PyTree]
+  client_state: Callable[[PyTree, int, jax.Array], PyTree]
+  client_update: Callable[..., ClientOutput]
+  server_update: Callable[..., tuple[tuple[Params, ...], PyTree, Info]]
+  eval_models: Callable[[ServerState], tuple[EvalModel, ...]]
+  provides: frozenset = frozenset()

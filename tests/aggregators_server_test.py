@@ -32,7 +32,8 @@ NUM_CLASSES = 3
 V = 12
 
 
-def apply_fn(params, x):
+def apply_fn(params, x, **unused):    # Model.apply's train/key: unused
+  del unused
   return x.reshape(x.shape[0], -1) @ params['w'] + params['b'][None, :]
 
 

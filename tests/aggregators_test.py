@@ -21,6 +21,7 @@ import numpy as np
 
 from fedrobust import aggregators
 from fedrobust.aggregators import krum as krum_lib
+from fedrobust.errors import SettingError
 
 C = 7
 F = 1
@@ -32,6 +33,8 @@ _OWN = {name: factory for name, factory in aggregators.AGGREGATORS.items()
 NAMES = sorted(name for name, factory in _OWN.items()
                if min(k for k, v in _OWN.items() if v is factory) == name)
 PARAMS = {'w': np.zeros((3, 2), np.float32), 'b': np.zeros((2,), np.float32)}
+# Rules that promise nothing against a bad client (breakdown point 0).
+NON_ROBUST = ('mean', 'weighted_mean', 'fdagg')
 KEY = jax.random.key(0)
 
 
@@ -56,18 +59,33 @@ def compiled(name, f=F, slots=C, hparams=()):
   """
   agg = aggregators.AGGREGATORS[name](num_byzantine=f, **dict(hparams))
 
-  def aggregate(updates, mask, state, key):
-    return agg.aggregate(updates, mask, state, key)
+  def aggregate(updates, mask, state, key, extras):
+    return aggregators.call_aggregator(agg, updates, mask, state, key,
+                                       coverage=None, **extras)
 
   aggregate.__name__ = f'aggregate_{name}_f{f}_c{slots}_{hparams}'
   return agg, jax.jit(chex.assert_max_traces(aggregate, n=1))
+
+
+def extras_of_rows(flat):
+  """Per-slot extras that travel with the rows (permuting rows permutes
+  them): weights in [1, 2) and scores from the rows' values."""
+  clean = np.nan_to_num(np.asarray(flat, np.float64), nan=0.0, posinf=0.0,
+                        neginf=0.0)
+  c = len(flat)
+  return {'weights': jnp.asarray(1.0 + np.abs(clean[:, 0]) % 1.0,
+                                 jnp.float32),
+          'scores': jnp.asarray(np.abs(clean[:, 1]) % 3.0, jnp.float32),
+          'ids': jnp.arange(c, dtype=jnp.int32),
+          'staleness': jnp.zeros(c, jnp.int32)}
 
 
 def run(name, flat, mask, *, f=F, hparams=(), state=None, key=KEY):
   agg, fn = compiled(name, f, len(flat), hparams)
   if state is None:
     state = agg.init(PARAMS)
-  out, state, info = fn(stack(flat), jnp.asarray(mask, bool), state, key)
+  out, state, info = fn(stack(flat), jnp.asarray(mask, bool), state, key,
+                        extras_of_rows(flat))
   return out, state, info
 
 
@@ -137,9 +155,9 @@ class ConformanceTest(parameterized.TestCase):
 
   @parameterized.product(name=NAMES, bad=('nan', '+inf', '-inf', '1e30'))
   def test_finite_with_one_bad_client(self, name, bad):
-    if name == 'mean':
-      self.skipTest('the mean has no robustness: one NaN/Inf client makes '
-                    'it NaN/Inf, a 1e30 client makes it ~1e30/n')
+    if name in NON_ROBUST:
+      self.skipTest('the means have no robustness: one NaN/Inf client makes '
+                    'them NaN/Inf, a 1e30 client makes them ~1e30/n')
     x, mask = absent_slot_inputs(seed=5)
     if bad == '1e30':
       x[4] = 1e30 * x[4]
@@ -154,8 +172,9 @@ class ConformanceTest(parameterized.TestCase):
     x, mask = absent_slot_inputs(seed=6)
     agg, _ = compiled(name)
     out_jit, state_jit, info_jit = run(name, x, mask)
-    out, state, info = agg.aggregate(stack(x), jnp.asarray(mask),
-                                     agg.init(PARAMS), KEY)
+    out, state, info = aggregators.call_aggregator(
+        agg, stack(x), jnp.asarray(mask), agg.init(PARAMS), KEY,
+        coverage=None, **extras_of_rows(x))
     chex.assert_trees_all_close(out, out_jit, atol=1e-6, rtol=1e-6)
     chex.assert_trees_all_close(state, state_jit, atol=1e-6, rtol=1e-6)
     chex.assert_trees_all_close(info, info_jit, atol=1e-6, rtol=1e-6)
@@ -167,7 +186,7 @@ class ConformanceTest(parameterized.TestCase):
     for round_ in range(3):           # new values, mask, key and state
       x, mask = absent_slot_inputs(seed=10 + round_, absent=round_)
       _, state, _ = fn(stack(x), jnp.asarray(mask), state,
-                       jax.random.key(round_))
+                       jax.random.key(round_), extras_of_rows(x))
 
 
 # ----------------------------------------------------------------------------
@@ -294,6 +313,90 @@ class ReferenceTest(parameterized.TestCase):
     np.testing.assert_allclose(unstack(out2), v2, rtol=1e-5, atol=1e-6)
 
 
+class ExtrasTest(parameterized.TestCase):
+  """Keyword extras: weights, staleness, scores and per-coordinate coverage."""
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(11)
+    self.x = rng.normal(size=(C, D)).astype(np.float32)
+    self.mask = np.ones(C, bool)
+    self.mask[3] = False
+    self.x[3] = np.nan
+    self.cov = (rng.random((C, D)) > 0.35).astype(np.float32)
+    self.cov[:, 0] = 0.0                    # a coordinate nobody owns
+
+  def call(self, name, coverage=None, **extras):
+    agg = aggregators.get_aggregator(name, num_byzantine=F,
+                                     **extras.pop('hparams', {}))
+    cov = None if coverage is None else stack(coverage)
+    return aggregators.call_aggregator(
+        agg, stack(self.x), jnp.asarray(self.mask), agg.init(PARAMS), KEY,
+        coverage=cov, **extras)
+
+  @parameterized.parameters('mean', 'weighted_mean', 'median', 'trimmed_mean')
+  def test_coverage_matches_numpy_per_coordinate(self, name):
+    weights = np.linspace(1.0, 3.0, C).astype(np.float32)
+    out, _, info = self.call(name, coverage=self.cov,
+                             weights=jnp.asarray(weights))
+    expected = []
+    for d in range(D):
+      rows = self.mask & (self.cov[:, d] > 0)
+      v = self.x[rows, d].astype(np.float64)
+      if not len(v):
+        expected.append(0.0)
+      elif name == 'mean':
+        expected.append(v.mean())
+      elif name == 'weighted_mean':
+        expected.append(np.average(v, weights=weights[rows]))
+      elif name == 'median':
+        expected.append(np.median(v))
+      else:
+        k = min(F, (len(v) - 1) // 2)
+        v = np.sort(v)
+        expected.append(v[k:len(v) - k].mean())
+    np.testing.assert_allclose(unstack(out), expected, rtol=1e-5, atol=1e-6)
+    self.assertEqual(float(np.asarray(info['weights'])[3]), 0.0)
+
+  def test_weighted_mean_with_staleness_discount(self):
+    weights = np.array([1, 2, 3, 9, 4, 5, 6], np.float32)
+    staleness = np.array([0, 1, 2, 0, 3, 0, 1], np.int32)
+    out, _, info = self.call(
+        'weighted_mean', weights=jnp.asarray(weights),
+        staleness=jnp.asarray(staleness),
+        hparams={'staleness_power': 0.5})
+    w = weights * (1.0 + staleness) ** -0.5
+    w[3] = 0.0
+    expected = np.nansum(w[:, None] * np.where(self.mask[:, None], self.x, 0),
+                         0) / w.sum()
+    np.testing.assert_allclose(unstack(out), expected, rtol=1e-5)
+    np.testing.assert_allclose(info['weights'], w, rtol=1e-6)
+
+  def test_fdagg_is_eq10_weights_times_updates(self):
+    scores = jnp.asarray([2.0, 6.0, 4.0, 99.0, 1.0, 3.0, 5.0])
+    out, _, info = self.call('fdagg', scores=scores)
+    alpha = np.asarray(aggregators.mean_lib.fdagg_weights(
+        scores, jnp.asarray(self.mask)))
+    self.assertEqual(alpha[3], 0.0)
+    np.testing.assert_allclose(info['weights'], alpha, rtol=1e-6)
+    expected = (alpha[:, None] * np.nan_to_num(self.x)).sum(0)
+    np.testing.assert_allclose(unstack(out), expected, rtol=1e-5, atol=1e-6)
+
+  def test_only_declared_extras_are_passed_and_missing_ones_fail(self):
+    agg = aggregators.get_aggregator('krum', num_byzantine=1)
+    self.assertEqual(agg.reads, ())
+    aggregators.call_aggregator(            # unused extras are dropped
+        agg, stack(self.x), jnp.asarray(self.mask), (), KEY,
+        weights=jnp.ones(C), scores=jnp.ones(C))
+    fdagg = aggregators.get_aggregator('fdagg', num_byzantine=0)
+    with self.assertRaisesRegex(SettingError, 'scores'):
+      aggregators.call_aggregator(fdagg, stack(self.x),
+                                  jnp.asarray(self.mask), (), KEY,
+                                  weights=jnp.ones(C))
+    with self.assertRaisesRegex(SettingError, "'fdagg' reads.*scores"):
+      aggregators.check_provided('fdagg', fdagg, {'weights', 'coverage'})
+
+
 # ----------------------------------------------------------------------------
 # Attacks.
 # ----------------------------------------------------------------------------
@@ -362,10 +465,13 @@ class ValidationTest(parameterized.TestCase):
       ('trimmed_mean', 2, 1, '2f < n'),
       ('dnc', 2, 2, 'n > f'),
   )
-  def test_check_num_clients_names_the_flags(self, name, n, f, inequality):
-    with self.assertRaisesRegex(ValueError, '--aggregator') as ctx:
+  def test_check_num_clients_names_the_arguments(self, name, n, f,
+                                                 inequality):
+    with self.assertRaises(SettingError) as ctx:
       aggregators.check_num_clients(name, n, f)
-    self.assertIn('--num_byzantine', str(ctx.exception))
+    self.assertEqual(ctx.exception.argument, 'clients_per_round')
+    self.assertIn(f'num_byzantine={f}', str(ctx.exception))
+    self.assertIn(repr(name), str(ctx.exception))
     self.assertIn(inequality, str(ctx.exception))
     aggregators.check_num_clients(name, n + 1, f)      # one more suffices
 
@@ -378,29 +484,33 @@ class ValidationTest(parameterized.TestCase):
                   aggregators.AGGREGATORS['geometric_median'])
 
   def test_unknown_aggregator(self):
-    with self.assertRaisesRegex(ValueError, '--aggregator.*expected one of'):
+    with self.assertRaisesRegex(SettingError, 'aggregator.*expected one of'):
       aggregators.get_aggregator('nope', num_byzantine=0)
-    with self.assertRaisesRegex(ValueError, '--aggregator'):
+    with self.assertRaisesRegex(SettingError, '^aggregator'):
       aggregators.check_num_clients('nope', 10, 1)
+    with self.assertRaisesRegex(SettingError, '^aggregator_kwargs.*median'):
+      aggregators.get_aggregator('median', num_byzantine=0, bogus=1)
 
   def test_static_check_at_trace_time(self):
     agg = aggregators.get_aggregator('krum', num_byzantine=1)
     x = random_updates(0, num=4)
-    with self.assertRaisesRegex(ValueError, 'n >= 2f\\+3.*--num_byzantine=1'):
+    with self.assertRaisesRegex(ValueError, 'n >= 2f\\+3.*num_byzantine=1'):
       agg.aggregate(stack(x), jnp.ones(4, bool), (), KEY)
 
   @parameterized.parameters(
-      ('median', {'num_byzantine': -1}, '--num_byzantine'),
-      ('multi_krum', {'num_byzantine': 1, 'm': 0}, '--aggregator_kwargs m'),
-      ('geometric_median', {'iters': 0}, '--aggregator_kwargs iters'),
-      ('centered_clipping', {'tau': 0.0}, '--aggregator_kwargs tau'),
-      ('norm_bounding', {'max_norm': -1.0}, '--aggregator_kwargs max_norm'),
-      ('dnc', {'num_byzantine': 1, 'subsample_dim': 0},
-       '--aggregator_kwargs subsample_dim'),
+      ('median', {'num_byzantine': -1}, 'num_byzantine'),
+      ('multi_krum', {'num_byzantine': 1, 'm': 0}, 'm'),
+      ('geometric_median', {'iters': 0}, 'iters'),
+      ('centered_clipping', {'tau': 0.0}, 'tau'),
+      ('norm_bounding', {'max_norm': -1.0}, 'max_norm'),
+      ('dnc', {'num_byzantine': 1, 'subsample_dim': 0}, 'subsample_dim'),
+      ('weighted_mean', {'staleness_power': -1.0}, 'staleness_power'),
   )
-  def test_bad_hparams_name_the_flag(self, name, kwargs, flag):
-    with self.assertRaisesRegex(ValueError, flag):
+  def test_bad_hparams_name_the_argument(self, name, kwargs, argument):
+    with self.assertRaises(SettingError) as ctx:
       aggregators.get_aggregator(name, **kwargs)
+    self.assertEqual(ctx.exception.argument, argument)
+    self.assertEqual(ctx.exception.component, f'aggregator {name}')
 
 
 if __name__ == '__main__':

@@ -19,6 +19,7 @@ import numpy as np
 from fedrobust.attacks import (ATTACKS, MODEL_ATTACKS, ModelAttack,
                                get_model_attack)
 from fedrobust.attacks.fang import fang_krum
+from fedrobust.errors import SettingError
 
 C, D = 10, 12
 MASK = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0, 0], bool)
@@ -168,10 +169,11 @@ class ConformanceTest(parameterized.TestCase):
       self.assertEqual(attack.name, name)
       self.assertEqual(attack.needs_benign, NEEDS_BENIGN[name], name)
 
-  def test_get_model_attack_errors_name_the_flag(self):
-    with self.assertRaisesRegex(ValueError, r"--attack='nope'.*'lie'"):
+  def test_get_model_attack_errors_name_the_argument(self):
+    with self.assertRaisesRegex(SettingError, r"attack: 'nope'.*'lie'"):
       get_model_attack('nope')
-    with self.assertRaisesRegex(ValueError, r'--attack=lie takes no'):
+    with self.assertRaisesRegex(SettingError,
+                                r"attack_kwargs: attack 'lie' takes no"):
       get_model_attack('lie', epsilon=1.0)
 
   @parameterized.parameters(
@@ -180,18 +182,21 @@ class ConformanceTest(parameterized.TestCase):
       ('scaling', {'factor': 0}, 'factor'),
       ('ipm', {'epsilon': float('nan')}, 'epsilon'),
       ('lie', {'z': float('inf')}, 'z'),
-      ('min_max', {'direction': 'up'}, 'direction must be one of'),
+      ('min_max', {'direction': 'up'}, 'direction'),
       ('min_sum', {'tau': 0.0}, 'tau'),
       ('min_max', {'max_iters': 0}, 'max_iters'),
-      ('agr_tailored', {'rule': 'bulyan'}, 'rule must be one of'),
+      ('agr_tailored', {'rule': 'bulyan'}, 'rule'),
       ('agr_tailored', {'rule': 'custom'}, 'aggregate_fn'),
       ('agr_tailored', {'num_byzantine': -1}, 'num_byzantine'),
-      ('fang_trim', {'b': 1.0}, 'b must be'),
+      ('fang_trim', {'b': 1.0}, 'b'),
       ('fang_krum', {'reference': 'zero'}, 'reference'),
   )
-  def test_bad_settings_name_the_flag(self, name, kwargs, message):
-    with self.assertRaisesRegex(ValueError, f'--attack={name}: .*{message}'):
+  def test_bad_settings_name_the_argument(self, name, kwargs, message):
+    argument = message.split()[0]
+    with self.assertRaises(SettingError) as ctx:
       get_model_attack(name, **kwargs)
+    self.assertEqual(ctx.exception.argument, argument)
+    self.assertEqual(ctx.exception.component, f'attack {name}')
 
 
 # ----------------------------------------------------------------------------

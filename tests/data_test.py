@@ -69,12 +69,12 @@ class PartitionTest(parameterized.TestCase):
     self.assertEqual({len(p) for p in parts}, {10, 11})
 
   def test_unknown_name(self):
-    with self.assertRaisesRegex(ValueError, '--partition.*dirichlet'):
+    with self.assertRaisesRegex(ValueError, 'partition.*dirichlet'):
       partition.partition('nope', np.zeros(10, np.int32), 2, seed=0)
 
   @parameterized.parameters(0, -1, 11)
   def test_bad_num_clients(self, num_clients):
-    with self.assertRaisesRegex(ValueError, '--num_clients'):
+    with self.assertRaisesRegex(ValueError, 'num_clients'):
       partition.partition('iid', np.zeros(10, np.int32), num_clients, seed=0)
 
   def test_bad_labels(self):
@@ -139,12 +139,12 @@ class DirichletTest(parameterized.TestCase):
 
   def test_unreachable_min_size(self):
     labels = _balanced_labels(10, 10)
-    with self.assertRaisesRegex(ValueError, '--dirichlet_alpha'):
+    with self.assertRaisesRegex(ValueError, 'dirichlet_alpha'):
       partition.dirichlet(labels, 50, alpha=0.001, seed=0, min_size=2)
 
   @parameterized.parameters(0.0, -1.0, float('nan'))
   def test_bad_alpha(self, alpha):
-    with self.assertRaisesRegex(ValueError, '--dirichlet_alpha'):
+    with self.assertRaisesRegex(ValueError, 'dirichlet_alpha'):
       partition.partition('dirichlet', _balanced_labels(10, 10), 5, seed=0,
                           dirichlet_alpha=alpha)
 
@@ -181,12 +181,12 @@ class PathologicalTest(parameterized.TestCase):
 
   @parameterized.parameters(0, 11)
   def test_bad_classes_per_client(self, cpc):
-    with self.assertRaisesRegex(ValueError, '--classes_per_client'):
+    with self.assertRaisesRegex(ValueError, 'classes_per_client'):
       partition.partition('pathological', _balanced_labels(10, 10), 5, seed=0,
                           classes_per_client=cpc)
 
   def test_too_few_shards_for_classes(self):
-    with self.assertRaisesRegex(ValueError, '--classes_per_client'):
+    with self.assertRaisesRegex(ValueError, 'classes_per_client'):
       partition.pathological(_balanced_labels(10, 10), 2,
                              classes_per_client=2, seed=0)
 
@@ -217,7 +217,7 @@ class QuantitySkewTest(absltest.TestCase):
     _assert_partition(self, parts, 1000)
 
   def test_bad_alpha(self):
-    with self.assertRaisesRegex(ValueError, '--quantity_alpha'):
+    with self.assertRaisesRegex(ValueError, 'quantity_alpha'):
       partition.partition('quantity_skew', np.zeros(10, np.int32), 2, seed=0,
                           quantity_alpha=0.0)
 
@@ -264,23 +264,23 @@ class ServerSplitsTest(absltest.TestCase):
     self.assertEmpty(s.validation)
     self.assertEmpty(s.public)
     np.testing.assert_array_equal(s.client_pool, np.arange(1000))
-    with self.assertRaisesRegex(ValueError, '--validation_size'):
+    with self.assertRaisesRegex(ValueError, 'validation_size'):
       self._split(validation_fraction=0.0, validation_size=1)
 
   def test_validation_size_too_large(self):
     self.assertLen(self._split(validation_size=100).validation, 100)
-    with self.assertRaisesRegex(ValueError, '--validation_size'):
+    with self.assertRaisesRegex(ValueError, 'validation_size'):
       self._split(validation_size=101)
 
   def test_public_size_too_large(self):
-    with self.assertRaisesRegex(ValueError, '--public_size'):
+    with self.assertRaisesRegex(ValueError, 'public_size'):
       self._split(public_size=900)
-    with self.assertRaisesRegex(ValueError, '--public_size'):
+    with self.assertRaisesRegex(ValueError, 'public_size'):
       self._split(public_size=-1)
 
   def test_bad_fraction(self):
     for fraction in (-0.1, 1.0):
-      with self.assertRaisesRegex(ValueError, '--validation_fraction'):
+      with self.assertRaisesRegex(ValueError, 'validation_fraction'):
         self._split(validation_fraction=fraction)
 
 
@@ -408,7 +408,7 @@ class IdxTest(parameterized.TestCase):
     self.assertIn('t10k-labels-idx1-ubyte', message)
     self.assertNotIn('train-images-idx3-ubyte[', message)
     self.assertIn('dataset-fashion-mnist', message)
-    self.assertIn('--data_dir', message)
+    self.assertIn('data_dir', message)
 
   def test_missing_directory(self):
     directory = os.path.join(self.create_tempdir().full_path, 'absent')
@@ -434,11 +434,11 @@ class RegistryTest(absltest.TestCase):
          'tfds_fashion_mnist'})
 
   def test_unknown_dataset(self):
-    with self.assertRaisesRegex(ValueError, '--dataset.*fashion_mnist'):
+    with self.assertRaisesRegex(ValueError, 'dataset.*fashion_mnist'):
       sources.load_dataset('imagenet')
 
   def test_idx_needs_data_dir(self):
-    with self.assertRaisesRegex(ValueError, '--data_dir'):
+    with self.assertRaisesRegex(ValueError, 'data_dir'):
       sources.load_dataset('idx')
 
   def test_idx_and_fashion_mnist_from_dir(self):

@@ -10,11 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedrobust import engine
-from fedrobust.engine.local import normalize_images
+from fedrobust.cohort import single_cohort
+from fedrobust.errors import SettingError
 from fedrobust.methods import get_method
 from fedrobust.models import Model
-from fedrobust.types import ClientOutput, FederatedData, LocalData, \
-    ServerState
+from fedrobust.transforms import identity
+from fedrobust.types import (Arrivals, ClientOutput, FederatedData,
+                             LocalData)
 
 NUM_CLASSES = 3
 IMAGE = (2, 2, 1)
@@ -26,7 +28,8 @@ def linear_model() -> Model:
     return {'w': 0.1 * jax.random.normal(key, (4, NUM_CLASSES)),
             'b': jnp.zeros((NUM_CLASSES,))}
 
-  def apply(params, x):
+  def apply(params, x, **unused):   # train, key: no train-time behaviour
+    del unused
     return x.reshape(x.shape[0], -1) @ params['w'] + params['b'][None, :]
 
   return Model('linear', init, apply, IMAGE, NUM_CLASSES)
@@ -45,13 +48,15 @@ def toy_data(counts, n_max, seed=0):
 
 
 def fedavg_method(model, *, batch_size, epochs, n_max, lr=0.1, momentum=0.0,
-                  unroll=1):
+                  unroll=1, num_clients=6, aggregator=None):
   local = engine.LocalConfig(batch_size=batch_size, num_epochs=epochs,
                              steps_per_epoch=-(-n_max // batch_size),
                              unroll=unroll)
-  return get_method('fedavg', model=model, local=local,
+  return get_method('fedavg', cohorts=single_cohort(
+      model, identity(model), num_clients, num_clients), local=local,
                     optimizer=engine.sgd(learning_rate=lr,
-                                         momentum=momentum))
+                                         momentum=momentum),
+                    aggregator=aggregator)
 
 
 class BatchPlanTest(absltest.TestCase):
@@ -82,8 +87,8 @@ class MaskingTest(absltest.TestCase):
     for data, n_max in ((padded, 20), (exact, 5)):
       method = fedavg_method(model, batch_size=8, epochs=2, n_max=n_max)
       local = LocalData(data.x, data.y, jnp.int32(0), data.count[0])
-      out = jax.jit(method.client_update)(params, (), local,
-                                          jax.random.key(1), ())
+      out = jax.jit(functools.partial(method.client_update, 0))(
+          ((), params, jnp.int32(1)), (), local, jax.random.key(1), ())
       outs.append(out.delta)
     chex.assert_trees_all_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
@@ -91,23 +96,27 @@ class MaskingTest(absltest.TestCase):
     """A masked slot holding NaN/huge updates changes nothing."""
     model = linear_model()
     method = fedavg_method(model, batch_size=4, epochs=1, n_max=4)
-    params = model.init(jax.random.key(0))
-    state = ServerState(jnp.int32(0), params, (), jnp.zeros(2, jnp.uint32))
+    state = engine.init_server_state(method, model.init(jax.random.key(0)),
+                                     6, seed=0)
+    params = state.params[0]
     rng = np.random.default_rng(0)
     delta = jax.tree.map(
         lambda p: jnp.asarray(rng.normal(size=(3, *p.shape)), jnp.float32),
         params)
     weight = jnp.array([3.0, 5.0, 7.0])
     out = ClientOutput(delta, weight, (), {})
-    full, _, _ = method.server_update(state, jnp.arange(3), out,
-                                      jnp.array([True, True, True]), None, ())
+    arrive = lambda out, mask: (Arrivals(
+        jnp.arange(mask.shape[0]), mask, out,
+        jnp.zeros(mask.shape, jnp.int32)),)
+    full, _, _ = method.server_update(
+        state, arrive(out, jnp.array([True, True, True])), None, ())
     poisoned = ClientOutput(
         jax.tree.map(lambda d: jnp.concatenate(
             [d, jnp.full((2, *d.shape[1:]), jnp.nan)]), delta),
         jnp.array([3.0, 5.0, 7.0, 1e30, jnp.inf]), (), {})
     masked, _, _ = method.server_update(
-        state, jnp.arange(5), poisoned,
-        jnp.array([True, True, True, False, False]), None, ())
+        state, arrive(poisoned, jnp.array([True, True, True, False, False])),
+        None, ())
     chex.assert_trees_all_close(masked, full, rtol=1e-6)
     chex.assert_tree_all_finite(masked)
 
@@ -142,14 +151,14 @@ class FedAvgReferenceTest(absltest.TestCase):
     counts, n_max = [6, 3, 8], 8
     data = toy_data(counts, n_max)
     method = fedavg_method(model, batch_size=n_max, epochs=3, n_max=n_max,
-                           lr=0.5)
+                           lr=0.5, num_clients=3)
     state = engine.init_server_state(method, model.init(jax.random.key(0)),
                                      3, seed=0)
-    expected = numpy_fedavg_round(state.params, data, lr=0.5, epochs=3)
+    expected = numpy_fedavg_round(state.params[0], data, lr=0.5, epochs=3)
     step = engine.make_round_step(method, engine.RoundConfig(
         num_clients=3, clients_per_round=3, strategy='vmap'))
     new_state, metrics = jax.jit(step)(state, data, ())
-    chex.assert_trees_all_close(new_state.params, expected, rtol=1e-4,
+    chex.assert_trees_all_close(new_state.params[0], expected, rtol=1e-4,
                                 atol=1e-6)
     self.assertEqual(float(metrics['examples']), sum(counts))
     self.assertEqual(int(new_state.round), 1)
@@ -197,7 +206,8 @@ class StrategyTest(parameterized.TestCase):
   def test_no_retrace_across_rounds(self):
     model = linear_model()
     data = toy_data([5, 9, 2, 7], 9)
-    method = fedavg_method(model, batch_size=4, epochs=1, n_max=9)
+    method = fedavg_method(model, batch_size=4, epochs=1, n_max=9,
+                           num_clients=4)
     round_step = engine.make_round_step(method, engine.RoundConfig(
         num_clients=4, clients_per_round=2, strategy='sequential'))
 
@@ -224,11 +234,19 @@ class StrategyTest(parameterized.TestCase):
     self.assertTrue(np.all(np.diff(real) > 0))
     self.assertTrue(np.all((real >= 0) & (real < 10)))
 
-  def test_bad_strategy_names_flag(self):
-    with self.assertRaisesRegex(ValueError, '--client_execution'):
-      engine.make_round_step(None, engine.RoundConfig(4, 2, 'pmap'))
-    with self.assertRaisesRegex(ValueError, '--clients_per_round'):
-      engine.make_round_step(None, engine.RoundConfig(4, 5, 'vmap'))
+  def test_bad_settings_name_the_argument(self):
+    for config, argument in (
+        (engine.RoundConfig(4, 2, 'pmap'), 'client_execution'),
+        (engine.RoundConfig(4, 5, 'vmap'), 'clients_per_round'),
+        (engine.RoundConfig(4, 2, 'vmap', cohorts=(
+            engine.CohortSlots((0, 1), 1), engine.CohortSlots((2,), 1))),
+         'cohorts'),
+        (engine.RoundConfig(4, 3, 'vmap', cohorts=(
+            engine.CohortSlots((0, 1), 1), engine.CohortSlots((2, 3), 1))),
+         'cohorts')):
+      with self.assertRaises(SettingError) as ctx:
+        engine.make_round_step(None, config)
+      self.assertEqual(ctx.exception.argument, argument)
 
 
 if __name__ == '__main__':
@@ -243,11 +261,10 @@ class ModelAttackHookTest(absltest.TestCase):
     from fedrobust import aggregators, attacks  # pylint: disable=g-import-not-at-top
     model = linear_model()
     data = toy_data([4, 4, 4], 4)
-    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
-    method = get_method('fedavg', model=model, local=local,
-                        optimizer=engine.sgd(learning_rate=0.1),
-                        aggregator=aggregators.get_aggregator(
-                            'mean', num_byzantine=1))
+    method = fedavg_method(model, batch_size=4, epochs=1, n_max=4,
+                           num_clients=3,
+                           aggregator=aggregators.get_aggregator(
+                               'mean', num_byzantine=1))
     config = engine.RoundConfig(num_clients=3, clients_per_round=3,
                                 strategy='vmap')
     state = engine.init_server_state(method, model.init(jax.random.key(0)),
@@ -262,15 +279,141 @@ class ModelAttackHookTest(absltest.TestCase):
     deltas = []
     for c in range(3):
       out = method.client_update(
-          state.params, (), LocalData(data.x, data.y, jnp.int32(c),
-                                      data.count[c]),
+          0, method.broadcast(state, 0), (),
+          LocalData(data.x, data.y, jnp.int32(c), data.count[c]),
           jax.random.fold_in(key, c), ())
       deltas.append(out.delta)
     expected = jax.tree.map(
-        lambda p, a, b, c: p + (a - b + c) / 3, state.params, *deltas)
+        lambda p, a, b, c: p + (a - b + c) / 3, state.params[0], *deltas)
     new_state, metrics = jax.jit(attacked)(state, data, ())
-    chex.assert_trees_all_close(new_state.params, expected, rtol=1e-5,
+    chex.assert_trees_all_close(new_state.params[0], expected, rtol=1e-5,
                                 atol=1e-6)
     self.assertEqual(float(metrics['num_attacking']), 1.0)
     plain, _ = jax.jit(honest)(state, data, ())
-    self.assertFalse(np.allclose(plain.params['w'], new_state.params['w']))
+    self.assertFalse(np.allclose(plain.params[0]['w'],
+                                 new_state.params[0]['w']))
+
+
+class CohortRoundTest(absltest.TestCase):
+  """Two architectures in one compiled round (FedAvg, shared head)."""
+
+  def test_shared_head_and_private_layers_match_numpy(self):
+    from fedrobust import models  # pylint: disable=g-import-not-at-top
+    from fedrobust.cohort import Cohort  # pylint: disable=g-import-not-at-top
+    mlp = models.get_model('mlp', num_classes=NUM_CLASSES,
+                           input_shape=IMAGE, hidden=(5,))
+    lstm = models.get_model('row_lstm', num_classes=NUM_CLASSES,
+                            input_shape=IMAGE, hidden=4)
+    cohorts = (Cohort('mlp', mlp, identity(mlp), (0, 2, 4), 3),
+               Cohort('lstm', lstm, identity(lstm), (1, 3, 5), 3))
+    data = toy_data([4, 3, 4, 2, 4, 4], 4, seed=7)
+    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
+    method = get_method('fedavg', cohorts=cohorts, local=local,
+                        optimizer=engine.sgd(learning_rate=0.5))
+    config = engine.RoundConfig(
+        num_clients=6, clients_per_round=6, strategy='vmap',
+        cohorts=tuple(engine.CohortSlots(c.members, 3) for c in cohorts))
+    params = (mlp.init(jax.random.key(0)), lstm.init(jax.random.key(1)))
+    state = engine.init_server_state(method, params, 6, seed=0)
+    new_state, metrics = jax.jit(engine.make_round_step(method, config))(
+        state, data, ())
+    key = jax.random.split(jax.random.wrap_key_data(state.key), 6)[2]
+    deltas = {}
+    for j, c in enumerate(cohorts):
+      for i in c.members:
+        deltas[i] = method.client_update(
+            j, method.broadcast(state, j), (),
+            LocalData(data.x, data.y, jnp.int32(i), data.count[i]),
+            jax.random.fold_in(key, i), ()).delta
+    counts = np.asarray(data.count, np.float64)
+    # Private layers: weighted mean within the cohort.
+    for j, (c, private) in enumerate(((cohorts[0], 'Dense_0'),
+                                      (cohorts[1], 'recurrent'))):
+      w = counts[list(c.members)] / counts[list(c.members)].sum()
+      for leaf in state.params[j][private]:
+        expected = state.params[j][private][leaf] + sum(
+            wi * deltas[i][private][leaf] for wi, i in zip(w, c.members))
+        np.testing.assert_allclose(new_state.params[j][private][leaf],
+                                   expected, rtol=1e-5, atol=1e-6)
+    # Head: kernels [5, 3] (mlp) and [4, 3] (lstm) zero-padded to [5, 3];
+    # row 4 is owned by the mlp clients only.
+    pad = lambda k: np.pad(np.asarray(k), ((0, 5 - k.shape[0]), (0, 0)))
+    num = sum(counts[i] * pad(deltas[i]['Dense_1' if i % 2 == 0 else
+                                        'head']['kernel']) for i in range(6))
+    owners = np.array([counts.sum()] * 4 + [counts[[0, 2, 4]].sum()])
+    avg = num / owners[:, None]
+    np.testing.assert_allclose(new_state.params[0]['Dense_1']['kernel'],
+                               state.params[0]['Dense_1']['kernel'] + avg,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new_state.params[1]['head']['kernel'],
+                               state.params[1]['head']['kernel'] + avg[:4],
+                               rtol=1e-5, atol=1e-6)
+    self.assertEqual(float(metrics['clients_trained']), 6.0)
+    labels = [m.label for m in method.eval_models(new_state)]
+    self.assertEqual(labels, ['mlp', 'lstm'])
+
+
+class DelayTest(parameterized.TestCase):
+
+  def test_parse(self):
+    self.assertIsNone(engine.parse_delay('none'))
+    self.assertEqual(engine.parse_delay('uniform:3'),
+                     engine.DelayModel('uniform', 1.5, 3))
+    self.assertEqual(engine.parse_delay('exponential:2'),
+                     engine.DelayModel('exponential', 2.0, 16))
+    self.assertEqual(engine.parse_delay('exponential:2:5').max_delay, 5)
+    for bad in ('uniform', 'uniform:0', 'exponential:-1', 'poisson:2',
+                'exponential:x'):
+      with self.assertRaises(SettingError) as ctx:
+        engine.parse_delay(bad)
+      self.assertEqual(ctx.exception.argument, 'client_delay')
+
+  def test_geometric_delays_have_the_mean_and_the_cap(self):
+    from fedrobust.engine import delay  # pylint: disable=g-import-not-at-top
+    ids = jnp.arange(20000)
+    d = np.asarray(delay.sample_delays(jax.random.key(0), ids,
+                                       delay.DelayModel('exponential', 2.0,
+                                                        100)))
+    self.assertAlmostEqual(d.mean(), 2.0, delta=0.06)
+    self.assertEqual(d.min(), 0)
+    capped = delay.sample_delays(jax.random.key(0), ids,
+                                 delay.DelayModel('exponential', 2.0, 3))
+    self.assertEqual(int(capped.max()), 3)
+
+  def _run(self, delay, rounds):
+    model = linear_model()
+    data = toy_data([5, 9, 2, 7, 4, 6], 9, seed=3)
+    method = fedavg_method(model, batch_size=4, epochs=1, n_max=9)
+    config = engine.RoundConfig(num_clients=6, clients_per_round=4,
+                                strategy='vmap', delay=delay)
+    state = engine.init_server_state(method, model.init(jax.random.key(0)),
+                                     6, seed=1, config=config, data=data)
+    step = jax.jit(engine.make_round_step(method, config))
+    history = []
+    for _ in range(rounds):
+      state, metrics = step(state, data, ())
+      history.append(jax.device_get(metrics))
+    return state, history
+
+  def test_every_update_arrives_once_within_the_cap(self):
+    state, history = self._run(engine.DelayModel('uniform', 1.0, 2), 7)
+    trained = sum(float(m['clients_trained']) for m in history)
+    arrived = sum(float(m['arrivals']) for m in history)
+    in_flight = int(jnp.sum(state.pending.buffers[0].valid))
+    self.assertEqual(trained, arrived + in_flight)
+    self.assertLessEqual(max(float(m['staleness_max']) for m in history),
+                         2.0)
+    self.assertGreater(max(float(m['staleness_max']) for m in history), 0.0)
+    # A busy client is not sampled: fewer than C train in some round.
+    self.assertLess(min(float(m['clients_trained']) for m in history), 4.0)
+    busy = np.asarray(state.pending.busy_until)
+    self.assertTrue(np.all(busy <= 7 + 2))
+
+  def test_zero_delays_equal_the_synchronous_round(self):
+    sync, _ = self._run(None, 3)
+    instant, history = self._run(engine.DelayModel('exponential', 1e-9, 2),
+                                 3)
+    chex.assert_trees_all_close(instant.params, sync.params, rtol=1e-6,
+                                atol=1e-7)
+    self.assertEqual([float(m['staleness_max']) for m in history],
+                     [0.0] * 3)

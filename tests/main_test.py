@@ -13,6 +13,7 @@ from absl.testing import absltest
 import jax
 import numpy as np
 
+from experiments import config as config_lib
 from experiments import train
 from fedrobust.checkpoint import Checkpointer
 from fedrobust.data import DataNotFoundError
@@ -39,19 +40,14 @@ def write_idx(directory, *, num_train=600, num_test=100, seed=0):
 
 
 def base_config(data_dir, workdir, **overrides):
-  config = dict(
-      method='fedavg', dataset='idx', data_dir=data_dir, model='mlp',
-      num_clients=4, clients_per_round=3, partition='dirichlet',
-      dirichlet_alpha=0.5, classes_per_client=2, quantity_alpha=0.5,
-      validation_fraction=0.0, validation_size=0, public_size=0,
-      local_test_fraction=0.2, max_train_examples=0, num_rounds=2,
-      local_epochs=1, batch_size=32, local_lr=0.05, momentum=0.9,
-      weight_decay=1e-5, server_lr=1.0, fedprox_mu=0.0, eval_every=1,
-      eval_batch_size=50, checkpoint_every=1, checkpoints_keep=2, seed=0,
-      workdir=workdir, client_execution='auto', chunk_size=0,
-      scan_unroll=1, conv_impl='auto', num_devices=1, overwrite=False,
-      **train.THREAT_DEFAULTS)
-  assert set(config) == set(train.CONFIG_KEYS)
+  config = config_lib.defaults()
+  config.update(
+      dataset='idx', data_dir=data_dir, model='mlp', num_clients=4,
+      clients_per_round=3, local_test_fraction=0.2, num_rounds=2,
+      batch_size=32, local_lr=0.05, eval_batch_size=50, checkpoint_every=1,
+      workdir=workdir, num_devices=1)
+  unknown = set(overrides) - set(config)
+  assert not unknown, unknown
   config.update(overrides)
   return config
 
@@ -155,6 +151,83 @@ class EndToEndTest(absltest.TestCase):
         np.testing.assert_allclose(two[key], one[key], rtol=1e-3,
                                    atol=1e-6, err_msg=key)
 
+  def test_cohorts_of_two_architectures_learn_together(self):
+    workdir = self.create_tempdir().full_path
+    summary = train.run(base_config(
+        self.data_dir, workdir, cohorts='mlp:0.5,row_lstm:0.5',
+        clients_per_round=0, num_rounds=2))
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      last = [json.loads(line) for line in f][-1]
+    for key in ('test_accuracy', 'local_accuracy', 'test_accuracy/mlp',
+                'test_accuracy/row_lstm', 'local_accuracy/mlp',
+                'local_accuracy/row_lstm'):
+      self.assertIsNotNone(last[key], key)
+    expected = (last['test_accuracy/mlp'] + last['test_accuracy/row_lstm'])
+    self.assertAlmostEqual(last['test_accuracy'], expected / 2, places=5)
+    with open(os.path.join(workdir, 'client_histograms.json')) as f:
+      cohorts = json.load(f)['cohort']
+    self.assertEqual(sorted(cohorts), ['mlp', 'mlp', 'row_lstm', 'row_lstm'])
+    self.assertEqual(summary['cohorts']['row_lstm']['clients'], 2)
+
+  def test_lora_with_central_pretraining(self):
+    summary = train.run(base_config(
+        self.data_dir, self.create_tempdir().full_path, transform='lora',
+        lora_ranks='2,4', lora_targets='first,head', public_size=100,
+        pretrain_epochs=2, num_rounds=2))
+    self.assertGreater(summary['pretrain']['mlp']['test_accuracy'], 0.3)
+    uploads = summary['cohorts']['mlp']['upload_bytes_per_client']
+    # rank r on 784x200 and 200x10: r * (784 + 200 + 200 + 10) floats.
+    self.assertEqual(uploads, {'rank=2': 4 * 2 * 1194,
+                               'rank=4': 4 * 4 * 1194})
+    self.assertLess(uploads['rank=4'],
+                    summary['cohorts']['mlp']['full_model_bytes'] / 10)
+    self.assertTrue(np.isfinite(summary['final']['test_accuracy']))
+
+  def test_width_submodels_are_evaluated(self):
+    workdir = self.create_tempdir().full_path
+    train.run(base_config(self.data_dir, workdir, transform='width',
+                          width_ratios='1,0.5', num_rounds=1))
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      row = json.loads(f.readline())
+    self.assertIn('test_accuracy/w0.5', row)
+    with open(os.path.join(workdir, 'client_histograms.json')) as f:
+      self.assertEqual(sorted(json.load(f)['spec']['ratio']),
+                       [0.5, 0.5, 1.0, 1.0])
+
+  def test_semi_async_resume_is_exact(self):
+    delayed = dict(client_delay='exponential:2', clients_per_round=0)
+    straight = train.run(base_config(
+        self.data_dir, self.create_tempdir().full_path, num_rounds=4,
+        checkpoint_every=4, **delayed))
+    split = self.create_tempdir().full_path
+    train.run(base_config(self.data_dir, split, num_rounds=2, **delayed))
+    resumed = train.run(base_config(self.data_dir, split, num_rounds=4,
+                                    **delayed))
+    self.assertEqual(resumed['params_sha256'], straight['params_sha256'])
+    with open(os.path.join(split, 'metrics.jsonl')) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertEqual([r['round'] for r in rows], [1, 2, 3, 4])
+    self.assertTrue(all('staleness_mean' in r for r in rows))
+
+  def test_sdfc_composes_with_a_robust_rule(self):
+    summary = train.run(base_config(
+        self.data_dir, self.create_tempdir().full_path, method='sdfc',
+        aggregator='median', attack='badnets', malicious_fraction=0.25,
+        validation_fraction=0.1, validation_size=16, clients_per_round=0,
+        num_rounds=1))
+    self.assertEqual(summary['resolved']['aggregator'], 'median')
+    self.assertIn('fdreg_penalty', summary['final'])
+    for bad, pattern in (
+        (dict(sdfc_components='fdagg', aggregator='median'),
+         '--sdfc_components'),
+        (dict(method='fedavg', aggregator='fdagg'), "'fdagg' reads")):
+      config = dict(method='sdfc', validation_fraction=0.1,
+                    validation_size=16)
+      config.update(bad)
+      with self.assertRaisesRegex(ValueError, pattern):
+        train.run(base_config(self.data_dir,
+                              self.create_tempdir().full_path, **config))
+
   def test_changed_config_is_refused_unless_overwrite(self):
     workdir = self.create_tempdir().full_path
     train.run(base_config(self.data_dir, workdir, num_rounds=1))
@@ -229,7 +302,9 @@ class EndToEndTest(absltest.TestCase):
         (dict(aggregator='bulyan', num_byzantine=1, num_clients=6,
               clients_per_round=0), '4f\\+3'),
         (dict(aggregator='trimmed_mean', num_byzantine=2, num_clients=4,
-              clients_per_round=0), '--aggregator=trimmed_mean'),
+              clients_per_round=0),
+         "--clients_per_round: aggregator 'trimmed_mean' needs 2f < n.*"
+         '--num_byzantine=2'),
         (dict(attack='lie', malicious_fraction=0.25,
               attacker_knowledge='own_updates_only'), 'benign statistics'),
         (dict(attack='badnets'), '--malicious_fraction'),

@@ -100,8 +100,35 @@ class RegistryTest(parameterized.TestCase):
     self.assertEqual(models.default_compute_dtype('cpu'), 'float32')
     self.assertEqual(models.default_compute_dtype('tpu'), 'bfloat16')
 
+  def test_train_flag_and_key_reach_dropout(self):
+    model = models.get_model('mlp', num_classes=10, input_shape=(4, 4, 1),
+                             hidden=(64,), dropout=0.5)
+    params = model.init(jax.random.key(0))
+    x = jnp.ones((2, 4, 4, 1))
+    ref = model.apply(params, x)
+    chex.assert_trees_all_equal(model.apply(params, x, train=False,
+                                            key=jax.random.key(1)), ref)
+    a = model.apply(params, x, train=True, key=jax.random.key(1))
+    b = model.apply(params, x, train=True, key=jax.random.key(2))
+    chex.assert_trees_all_equal(
+        a, model.apply(params, x, train=True, key=jax.random.key(1)))
+    self.assertFalse(np.allclose(a, b))
+    self.assertFalse(np.allclose(a, ref))
+
+  def test_roles_and_width_units(self):
+    for name in sorted(models.MODELS):
+      model = models.get_model(name, num_classes=10, input_shape=(28, 28, 1))
+      params = model.init(jax.random.key(0))
+      for role in ('first', 'head'):
+        node = params
+        for key in model.roles[role].split('/'):
+          node = node[key]
+        self.assertIn('kernel', node, (name, role))
+      head = model.roles['head'].split('/')[-1]
+      self.assertEqual(model.width_units[head]['kernel'][-1], 0)
+
   def test_unknown_model_names_flag(self):
-    with self.assertRaisesRegex(ValueError, '--model=.*simple_cnn'):
+    with self.assertRaisesRegex(ValueError, 'model.*simple_cnn'):
       models.get_model('resnet9000', num_classes=10, input_shape=(28, 28, 1))
 
 

@@ -7,11 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import functools
+
 from fedrobust import engine
-from fedrobust.engine.local import classification_loss
+from fedrobust.aggregators.mean import fdagg_weights
+from fedrobust.cohort import single_cohort
+from fedrobust.local import classification_loss
 from fedrobust.methods import get_method
 from fedrobust.methods.fisher import fisher_diagonal
-from fedrobust.methods.sdfc import SDFCClientState, fdagg_weights
+from fedrobust.methods.sdfc import SDFCClientState
+from fedrobust.transforms import identity
 from fedrobust.types import LocalData
 from tests.engine_test import NUM_CLASSES, linear_model, toy_data
 
@@ -84,7 +89,7 @@ class FisherTest(parameterized.TestCase):
                                                     self.params))
 
   def test_unknown_variant_names_flag(self):
-    with self.assertRaisesRegex(ValueError, '--sdfc_importance'):
+    with self.assertRaisesRegex(ValueError, 'importance'):
       fisher_diagonal(self.model.apply, self.params, self.x, self.y,
                       self.mask, importance='hessian')
 
@@ -112,16 +117,18 @@ class FDRegTest(absltest.TestCase):
     data = toy_data([4], 4, seed=2)
     local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
     lr, lam = 0.1, 5.0
-    method = get_method('sdfc', model=model, local=local,
+    method = get_method('sdfc', cohorts=single_cohort(
+        model, identity(model), 1, 1), local=local,
                         optimizer=engine.sgd(learning_rate=lr), lam=lam)
+    update = jax.jit(functools.partial(method.client_update, 0))
     params = model.init(jax.random.key(0))
     anchor = jax.tree.map(lambda p: p + 0.3, params)
     h = jax.tree.map(lambda p: jnp.linspace(0.0, 2.0, p.size).reshape(
         p.shape), params)
     state = SDFCClientState(anchor, h, jnp.bool_(True))
-    u = (data.x[0].reshape(1, 4, 2, 2, 1), data.y[0].reshape(1, 4),
-         jnp.ones((1, 4), bool))
-    out = jax.jit(method.client_update)(
+    u = {'validation': (data.x[0].reshape(1, 4, 2, 2, 1),
+                        data.y[0].reshape(1, 4), jnp.ones((1, 4), bool))}
+    out = update(
         params, state, LocalData(data.x, data.y, jnp.int32(0), data.count[0]),
         jax.random.key(1), u)
     ce_grad = jax.grad(lambda p: classification_loss(model.apply)(
@@ -133,7 +140,7 @@ class FDRegTest(absltest.TestCase):
     self.assertTrue(bool(out.client_state.seen))
     # First participation: no penalty, so the step is plain CE.
     fresh = SDFCClientState(anchor, h, jnp.bool_(False))
-    out = jax.jit(method.client_update)(
+    out = update(
         params, fresh, LocalData(data.x, data.y, jnp.int32(0),
                                  data.count[0]), jax.random.key(1), u)
     chex.assert_trees_all_close(

@@ -2,7 +2,8 @@
 
   agg = AGGREGATORS[name](num_byzantine=f, **hparams)
   state = agg.init(params)
-  update, state, info = agg.aggregate(updates, mask, state, key)
+  update, state, info = call_aggregator(agg, updates, mask, state, key,
+                                        weights=..., coverage=..., ...)
 
 See base.py for the interface; every module docstring states the rule's
 math, its info keys and the guarantees it cannot give.
@@ -18,10 +19,14 @@ from fedrobust.aggregators import dnc as dnc_lib
 from fedrobust.aggregators import krum as krum_lib
 from fedrobust.aggregators import mean as mean_lib
 from fedrobust.aggregators import robust_mean
-from fedrobust.aggregators.base import Aggregator, stateless_init
+from fedrobust.aggregators.base import (EXTRAS, Aggregator, call_aggregator,
+                                       check_provided, stateless_init)
 from fedrobust.aggregators.mean import Requirement
+from fedrobust.errors import SettingError
 
 AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
+    'weighted_mean': mean_lib.weighted_mean,
+    'fdagg': mean_lib.fdagg,
     'mean': mean_lib.mean,
     'median': coordinatewise.median,
     'trimmed_mean': coordinatewise.trimmed_mean,
@@ -61,12 +66,25 @@ _REQUIREMENTS.update(getattr(_server_aided, 'REQUIREMENTS', {}))
 # ---- end of server-aided rules ---------------------------------------------
 
 
-def get_aggregator(name: str, **kwargs) -> Aggregator:
-  """Builds AGGREGATORS[name]; ValueError naming --aggregator if unknown."""
+def _check_known(name: str) -> None:
   if name not in AGGREGATORS:
-    raise ValueError(f'--aggregator={name!r} is not a known aggregator; '
-                     f'expected one of {sorted(AGGREGATORS)}')
-  return AGGREGATORS[name](**kwargs)
+    raise SettingError('aggregator', f'{name!r} is not a known aggregator; '
+                       f'expected one of {sorted(AGGREGATORS)}')
+
+
+def get_aggregator(name: str, **kwargs) -> Aggregator:
+  """Builds AGGREGATORS[name].
+
+  Raises:
+    SettingError: naming `aggregator` for an unknown name, or the rule's own
+      argument for a bad or unknown hyperparameter.
+  """
+  _check_known(name)
+  try:
+    return AGGREGATORS[name](**kwargs)
+  except TypeError as err:   # an unknown or missing keyword
+    raise SettingError('aggregator_kwargs', f'aggregator {name!r}: {err}'
+                       ) from None
 
 
 def check_num_clients(name: str, n: int, f: int) -> None:
@@ -77,22 +95,21 @@ def check_num_clients(name: str, n: int, f: int) -> None:
   this check against the static slot count C at trace time.
 
   Args:
-    name: the --aggregator value.
+    name: the aggregator's registry name.
     n: clients per round.
-    f: the --num_byzantine value.
+    f: num_byzantine.
 
   Raises:
-    ValueError: naming --aggregator, --num_byzantine and the inequality.
+    SettingError: naming the rule, num_byzantine and the inequality.
   """
-  if name not in AGGREGATORS:
-    raise ValueError(f'--aggregator={name!r} is not a known aggregator; '
-                     f'expected one of {sorted(AGGREGATORS)}')
+  _check_known(name)
   mean_lib.check_num_byzantine(name, f)
   requirement = _REQUIREMENTS.get(name, ('n >= 1', lambda f: 1))
   mean_lib.require_clients(name, n, f, requirement)
 
 
-__all__ = ['AGGREGATORS', 'Aggregator', 'SERVER_AIDED', 'check_num_clients',
+__all__ = ['AGGREGATORS', 'Aggregator', 'EXTRAS', 'SERVER_AIDED',
+           'call_aggregator', 'check_num_clients', 'check_provided',
            'get_aggregator', 'stateless_init']
 
 

@@ -31,6 +31,11 @@ so it is no longer robust to f attackers; a median of n = 2 values with one
 Inf is Inf. Both are per-coordinate rules: the output need not be any
 client's update, and they ignore correlations across coordinates.
 
+Coverage (width-sliced or lower-rank clients): with `coverage`, every
+coordinate is ranked over the real clients that own it, so n, the median
+positions and the trim depth are per coordinate; a coordinate nobody owns
+gets 0.
+
 info['weights'][c] is the mean over coordinates of the weight client c gets
 in the output (1/2 per middle value for an even median, 1/(n-2k) for each
 kept value of the trimmed mean); it sums to 1 over the real clients.
@@ -116,7 +121,7 @@ def smallest_per_column(x: jax.Array, mask: jax.Array, k: int
 
   Args:
     x: float32[C, D]. NaN is read as +Inf; masked rows are ignored.
-    mask: bool[C].
+    mask: bool[C], or bool[C, D] for a per-coordinate mask.
     k: static, <= C.
 
   Returns:
@@ -125,7 +130,8 @@ def smallest_per_column(x: jax.Array, mask: jax.Array, k: int
   """
   big = jnp.finfo(x.dtype).max
   values = jnp.where(jnp.isnan(x) | (x == jnp.inf), big, x)
-  values = jnp.where(mask[:, None], values, jnp.inf)
+  values = jnp.where(mask if mask.ndim == 2 else mask[:, None], values,
+                     jnp.inf)
   neg, clients = lax.top_k(-values.T, k)
   ordered = -neg
   return jnp.where(ordered == big, jnp.inf, ordered), clients
@@ -135,6 +141,13 @@ def _median_from_smallest(x, mask):
   ordered, clients = smallest_per_column(x, mask, x.shape[0] // 2 + 1)
   lo, hi = median_positions(jnp.sum(mask))
   return 0.5 * ordered[:, lo] + 0.5 * ordered[:, hi], clients, lo, hi
+
+
+def _covered_mask(mask: jax.Array, coverage, x: jax.Array) -> jax.Array:
+  """bool[C, D]: real client and owner of the coordinate."""
+  cov = jnp.concatenate([c.reshape(c.shape[0], -1) for c in
+                         jax.tree.leaves(coverage)], axis=1)
+  return mask[:, None] & (cov > 0) & jnp.ones(x.shape, bool)
 
 
 def coordinate_median(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -153,23 +166,35 @@ def median(*, num_byzantine: int = 0) -> Aggregator:
   """
   f = check_num_byzantine('median', num_byzantine)
 
-  def aggregate(updates, mask, state, key):
+  def aggregate(updates, mask, state, key, *, coverage=None):
     """updates: leaves [C, ...]; mask: bool[C] -> one client's tree."""
     del key
     require_clients('median', static_num_clients(updates), f,
                     REQUIREMENTS['median'])
     mask = jnp.asarray(mask, bool)
     x, like = flatten(updates)
-    n = jnp.sum(mask)
-    med, clients, lo, hi = _median_from_smallest(x, mask)
-    flat = zeros_if_empty(n, med)
-    # Client c's weight: its share of the middle positions, over columns.
     count = lambda col: jnp.zeros((x.shape[0],), jnp.float32).at[col].add(1.0)
-    weights = 0.5 * (count(clients[:, lo]) + count(clients[:, hi]))
+    if coverage is None:
+      n = jnp.sum(mask)
+      med, clients, lo, hi = _median_from_smallest(x, mask)
+      flat = zeros_if_empty(n, med)
+      # Client c's weight: its share of the middle positions, over columns.
+      weights = 0.5 * (count(clients[:, lo]) + count(clients[:, hi]))
+    else:
+      owned = _covered_mask(mask, coverage, x)
+      ordered, clients = smallest_per_column(x, owned, x.shape[0] // 2 + 1)
+      n = jnp.sum(owned, axis=0)                              # [D]
+      lo, hi = median_positions(n)
+      pick = lambda a, i: jnp.take_along_axis(a, i[:, None], axis=1)[:, 0]
+      med = 0.5 * pick(ordered, lo) + 0.5 * pick(ordered, hi)
+      flat = jnp.where(n > 0, med, 0.0)
+      weights = 0.5 * (count(jnp.where(n > 0, pick(clients, lo), x.shape[0]))
+                       + count(jnp.where(n > 0, pick(clients, hi),
+                                         x.shape[0])))
     weights = jnp.where(mask, weights / x.shape[1], 0.0)
     return unflatten(flat, like), state, {'weights': weights}
 
-  return Aggregator(stateless_init, aggregate)
+  return Aggregator(stateless_init, aggregate, reads=('coverage',))
 
 
 def trimmed_mean(*, num_byzantine: int) -> Aggregator:
@@ -187,23 +212,30 @@ def trimmed_mean(*, num_byzantine: int) -> Aggregator:
   """
   f = check_num_byzantine('trimmed_mean', num_byzantine)
 
-  def aggregate(updates, mask, state, key):
+  def aggregate(updates, mask, state, key, *, coverage=None):
     """updates: leaves [C, ...]; mask: bool[C] -> one client's tree."""
     del key
     require_clients('trimmed_mean', static_num_clients(updates), f,
                     REQUIREMENTS['trimmed_mean'])
     mask = jnp.asarray(mask, bool)
     x, like = flatten(updates)
-    n = jnp.sum(mask)
-    ordered, order = sort_clients(x, mask)
+    if coverage is None:
+      n = jnp.sum(mask)
+      ordered, order = sort_clients(x, mask)
+    else:
+      owned = _covered_mask(mask, coverage, x)
+      n = jnp.sum(owned, axis=0)                             # [D]
+      ordered, order = sort_clients(jnp.where(owned, x, 0.0), mask,
+                                    absent=(~owned).astype(jnp.int32))
     k = jnp.clip((n - 1) // 2, 0, f)
     count = jnp.maximum(n - 2 * k, 1)
     position = jnp.arange(x.shape[0])[:, None]
-    keep = (position >= k) & (position < n - k)            # [C, 1]
+    lead = lambda a: a[None] if a.ndim else a     # [D] -> [1, D]
+    keep = (position >= lead(k)) & (position < lead(n - k))  # [C, 1 or D]
     flat = jnp.sum(jnp.where(keep, ordered, 0.0), axis=0) / count
     flat = zeros_if_empty(n, flat)
-    pos_w = jnp.where(keep, 1.0 / count, 0.0)
+    pos_w = jnp.where(keep, 1.0 / lead(count), 0.0)
     weights = jnp.where(mask, client_weights(pos_w, order), 0.0)
     return unflatten(flat, like), state, {'weights': weights}
 
-  return Aggregator(stateless_init, aggregate)
+  return Aggregator(stateless_init, aggregate, reads=('coverage',))

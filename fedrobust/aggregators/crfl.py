@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator
+from fedrobust.aggregators.mean import setting
 from fedrobust.aggregators.finetune import (finite_clients,
                                             masked_mean_rows, ravel_one,
                                             safe_norm)
@@ -62,9 +63,9 @@ def crfl(*, num_byzantine: int, clip_norm: float = 15.0,
   """
   del num_byzantine
   if clip_norm <= 0:
-    raise ValueError(f'crfl: clip_norm must be > 0, got {clip_norm}')
+    raise setting('crfl', 'clip_norm', f'must be > 0, got {clip_norm}')
   if sigma < 0:
-    raise ValueError(f'crfl: sigma must be >= 0, got {sigma}')
+    raise setting('crfl', 'sigma', f'must be >= 0, got {sigma}')
 
   def init(params):
     return CRFLState(params=params)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator, stateless_init
 from fedrobust.aggregators.mean import (Requirement, check_num_byzantine,
+                                        setting,
                                         finite_rows, flatten,
                                         require_clients, static_num_clients,
                                         unflatten, zeros_if_empty)
@@ -93,13 +94,12 @@ def dnc(*, num_byzantine: int, num_iters: int = 5,
     An Aggregator; info as in the module docstring.
   """
   f = check_num_byzantine('dnc', num_byzantine)
-  for flag, value in (('--aggregator_kwargs num_iters', num_iters),
-                      ('--aggregator_kwargs subsample_dim', subsample_dim)):
+  for argument, value in (('num_iters', num_iters),
+                          ('subsample_dim', subsample_dim)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f'{flag} must be a positive int, got {value!r}')
+      raise setting('dnc', argument, f'must be a positive int, got {value!r}')
   if not filter_frac >= 0:
-    raise ValueError('--aggregator_kwargs filter_frac must be >= 0, got '
-                     f'{filter_frac!r}')
+    raise setting('dnc', 'filter_frac', f'must be >= 0, got {filter_frac!r}')
   num_flag = int(filter_frac * f)
 
   def aggregate(updates, mask, state, key):

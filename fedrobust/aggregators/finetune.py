@@ -29,13 +29,15 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator
-from fedrobust.engine.local import (LocalConfig, classification_loss,
+from fedrobust.aggregators.mean import setting
+from fedrobust.local import (LocalConfig, classification_loss,
                                     make_batch_plan, sgd, train_steps)
 from fedrobust.tree import ravel_clients, tree_add, unravel_like
 from fedrobust.types import BatchPlan, LocalData
 
 Params = Any
-ApplyFn = Callable[[Params, jax.Array], jax.Array]
+# Model.apply: (params, x float[N, ...], *, train=False, key=None) -> logits
+ApplyFn = Callable[..., jax.Array]
 
 
 # --------------------------------------------------------------------------
@@ -122,13 +124,13 @@ def check_server_data(server_data: Any, rule: str) -> tuple[jax.Array,
                                                             jax.Array]:
   """Validates server_data = (x uint8[V, H, W, Ch], y int32[V]), V >= 1."""
   if server_data is None:
-    raise ValueError(f'{rule}: needs server_data=(x uint8[V, H, W, Ch], '
-                     'y int32[V]) and apply_fn')
+    raise setting(rule, 'server_data', 'needs server_data=(x uint8[V, H, '
+                  'W, Ch], y int32[V]) and apply_fn')
   x, y = server_data
   x, y = jnp.asarray(x), jnp.asarray(y, jnp.int32)
   if x.ndim < 2 or y.ndim != 1 or x.shape[0] != y.shape[0] or not y.shape[0]:
-    raise ValueError(f'{rule}: server_data must be (x[V, ...], y[V]) with '
-                     f'V >= 1, got shapes {x.shape} and {y.shape}')
+    raise setting(rule, 'server_data', f'must be (x[V, ...], y[V]) with '
+                  f'V >= 1, got shapes {x.shape} and {y.shape}')
   return x, y
 
 
@@ -138,9 +140,9 @@ def make_server_sgd(server_data: Any, apply_fn: ApplyFn, *, rule: str,
                     ) -> Callable[[Params, jax.Array], Params]:
   """train(params, key) -> params after `steps` SGD steps on U.
 
-  Batches are drawn as in client training (engine.local.make_batch_plan):
+  Batches are drawn as in client training (fedrobust.local.make_batch_plan):
   fresh permutations of U, B = min(batch_size, V), the last partial batch
-  masked; the loss is engine.local.classification_loss(apply_fn). The
+  masked; the loss is fedrobust.local.classification_loss(apply_fn). The
   schedule is cut to exactly `steps` steps.
 
   Args:
@@ -157,12 +159,12 @@ def make_server_sgd(server_data: Any, apply_fn: ApplyFn, *, rule: str,
   """
   x, y = check_server_data(server_data, rule)
   if steps < 1:
-    raise ValueError(f'{rule}: server_steps must be >= 1, got {steps}')
+    raise setting(rule, 'server_steps', f'must be >= 1, got {steps}')
   if batch_size < 1:
-    raise ValueError(f'{rule}: server_batch_size must be >= 1, got '
-                     f'{batch_size}')
+    raise setting(rule, 'server_batch_size', f'must be >= 1, got '
+                  f'{batch_size}')
   if learning_rate <= 0:
-    raise ValueError(f'{rule}: server_lr must be > 0, got {learning_rate}')
+    raise setting(rule, 'server_lr', f'must be > 0, got {learning_rate}')
   v = int(x.shape[0])
   b = min(batch_size, v)
   per_epoch = -(-v // b)

@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator
+from fedrobust.aggregators.mean import setting
 from fedrobust.aggregators.finetune import (finite_clients, masked_median,
                                             ravel_one, safe_norm,
                                             select_rows)
@@ -217,16 +218,16 @@ def fldetector(*, num_byzantine: int, num_clients: int | None = None,
   """
   del num_byzantine
   if window < 1:
-    raise ValueError(f'fldetector: window must be >= 1, got {window}')
+    raise setting('fldetector', 'window', f'must be >= 1, got {window}')
   warmup = window if warmup is None else warmup
   if warmup < 1:
-    raise ValueError(f'fldetector: warmup must be >= 1, got {warmup}')
+    raise setting('fldetector', 'warmup', f'must be >= 1, got {warmup}')
   if gap_samples < 2 or kmeans_iters < 1:
-    raise ValueError('fldetector: gap_samples must be >= 2 and '
-                     'kmeans_iters >= 1')
+    raise setting('fldetector', 'gap_samples', 'gap_samples must be >= 2 '
+                  'and kmeans_iters >= 1')
   if num_clients is not None and num_clients < 1:
-    raise ValueError(f'fldetector: num_clients must be >= 1, got '
-                     f'{num_clients}')
+    raise setting('fldetector', 'num_clients', f'must be >= 1, got '
+                  f'{num_clients}')
 
   def fresh(params, c, d):
     return FLDetectorState(
@@ -256,8 +257,9 @@ def fldetector(*, num_byzantine: int, num_clients: int | None = None,
     if state.prev_updates.shape[0] == 0:    # num_clients=None: size it now
       state = fresh(state.params, c, d)._replace(round=state.round)
     if state.prev_updates.shape != (c, d):
-      raise ValueError(f'fldetector: state holds {state.prev_updates.shape[0]}'
-                       f' slots, the round has {c}; pass num_clients={c}')
+      raise setting('fldetector', 'num_clients', 'state holds '
+                    f'{state.prev_updates.shape[0]} slots, the round has '
+                    f'{c}; pass num_clients={c}')
     valid = finite_clients(flat, mask)
     clean = select_rows(flat, valid)
     grads = -clean                                    # gradient-like g_i^t

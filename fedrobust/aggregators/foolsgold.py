@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator
+from fedrobust.aggregators.mean import setting
 from fedrobust.aggregators.finetune import (finite_clients, first_client,
                                             ravel_one, select_rows,
                                             unit_rows)
@@ -99,10 +100,10 @@ def foolsgold(*, num_byzantine: int, num_clients: int | None = None,
   """
   del num_byzantine
   if num_clients is not None and num_clients < 1:
-    raise ValueError(f'foolsgold: num_clients must be >= 1, got '
-                     f'{num_clients}')
+    raise setting('foolsgold', 'num_clients', f'must be >= 1, got '
+                  f'{num_clients}')
   if kappa <= 0:
-    raise ValueError(f'foolsgold: kappa must be > 0, got {kappa}')
+    raise setting('foolsgold', 'kappa', f'must be > 0, got {kappa}')
 
   def init(params):
     d = ravel_one(params).shape[0]
@@ -116,8 +117,9 @@ def foolsgold(*, num_byzantine: int, num_clients: int | None = None,
     if history.shape[0] == 0:      # num_clients=None: first call sizes it
       history = jnp.zeros((c, d), jnp.float32)
     if history.shape != (c, d):
-      raise ValueError(f'foolsgold: state holds {history.shape[0]} slots, '
-                       f'the round has {c}; pass num_clients={c}')
+      raise setting('foolsgold', 'num_clients', f'state holds '
+                    f'{history.shape[0]} slots, the round has {c}; pass '
+                    f'num_clients={c}')
     valid = finite_clients(flat, mask)
     clean = select_rows(flat, valid)
     history = history + clean        # invalid / masked rows add 0

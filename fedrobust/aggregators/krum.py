@@ -68,6 +68,7 @@ from fedrobust.aggregators.base import Aggregator, stateless_init
 from fedrobust.aggregators.coordinatewise import (client_weights,
                                                   coordinate_median)
 from fedrobust.aggregators.mean import (Requirement, check_num_byzantine,
+                                        setting,
                                         finite_rows, flatten,
                                         require_clients, static_num_clients,
                                         unflatten, zeros_if_empty)
@@ -97,8 +98,8 @@ def pairwise_sq_dists(x: jax.Array, valid: jax.Array,
     float32[C, C]; entries may overflow to +Inf for huge updates.
   """
   if method not in DISTANCE_METHODS:
-    raise ValueError(f'distance method {method!r}; expected one of '
-                     f'{DISTANCE_METHODS}')
+    raise setting('krum', 'method', f'distance method {method!r}; '
+                  f'expected one of {DISTANCE_METHODS}')
   x0 = jnp.where(valid[:, None], x, 0.0)
   both = valid[:, None] & valid[None, :]
   if method == 'exact':
@@ -180,8 +181,8 @@ def _multi_krum(name: str, f: int, m: int | None) -> Aggregator:
     x, like, mask, finite, valid = _prepare(name, updates, mask, f)
     c = x.shape[0]
     if m is not None and m > c:
-      raise ValueError(f'--aggregator_kwargs m={m} exceeds the C={c} client slots '
-                       f'of a round (--aggregator={name})')
+      raise setting(name, 'm', f'{m} exceeds the C={c} client slots of a '
+                    'round')
     n = jnp.sum(mask)
     score, tie = krum_scores(pairwise_sq_dists(x, valid), valid, n, f)
     order = krum_order(score, tie, mask, finite)
@@ -222,8 +223,8 @@ def multi_krum(*, num_byzantine: int, m: int | None = None) -> Aggregator:
   f = check_num_byzantine('multi_krum', num_byzantine)
   if m is not None and (isinstance(m, bool) or not isinstance(m, int) or
                         m < 1):
-    raise ValueError(f'--aggregator_kwargs m must be a positive int or unset, got '
-                     f'{m!r}')
+    raise setting('multi_krum', 'm', f'must be a positive int or unset, got '
+                  f'{m!r}')
   return _multi_krum('multi_krum', f, m)
 
 

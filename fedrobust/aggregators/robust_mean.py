@@ -70,6 +70,7 @@ from fedrobust.aggregators.coordinatewise import (coordinate_median,
                                                   median_positions,
                                                   sort_clients)
 from fedrobust.aggregators.mean import (Requirement, check_num_byzantine,
+                                        setting,
                                         finite_rows, flatten,
                                         require_clients, safe_norm,
                                         static_num_clients, unflatten,
@@ -91,14 +92,14 @@ def _prepare(name, updates, mask, f):
   return jnp.where(valid[:, None], x, 0.0), like, mask, valid
 
 
-def _positive(flag, value):
+def _positive(rule, argument, value):
   if not value > 0:
-    raise ValueError(f'{flag} must be > 0, got {value!r}')
+    raise setting(rule, argument, f'must be > 0, got {value!r}')
 
 
-def _positive_int(flag, value):
+def _positive_int(rule, argument, value):
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f'{flag} must be a positive int, got {value!r}')
+    raise setting(rule, argument, f'must be a positive int, got {value!r}')
 
 
 def geometric_median(*, num_byzantine: int = 0, iters: int = 8,
@@ -114,8 +115,8 @@ def geometric_median(*, num_byzantine: int = 0, iters: int = 8,
     An Aggregator; info['weights'] as in the module docstring.
   """
   f = check_num_byzantine('geometric_median', num_byzantine)
-  _positive_int('--aggregator_kwargs iters', iters)
-  _positive('--aggregator_kwargs eps', eps)
+  _positive_int('geometric_median', 'iters', iters)
+  _positive('geometric_median', 'eps', eps)
 
   def aggregate(updates, mask, state, key):
     """updates: leaves [C, ...]; mask: bool[C] -> one client's tree."""
@@ -156,8 +157,8 @@ def centered_clipping(*, num_byzantine: int = 0, tau: float = 10.0,
     real client the output is zeros and the state is kept.
   """
   f = check_num_byzantine('centered_clipping', num_byzantine)
-  _positive('--aggregator_kwargs tau', tau)
-  _positive_int('--aggregator_kwargs iters', iters)
+  _positive('centered_clipping', 'tau', tau)
+  _positive_int('centered_clipping', 'iters', iters)
 
   def init(params):
     return jax.tree.map(jnp.zeros_like, params)
@@ -208,7 +209,7 @@ def norm_bounding(*, num_byzantine: int = 0,
   """
   f = check_num_byzantine('norm_bounding', num_byzantine)
   if max_norm is not None:
-    _positive('--aggregator_kwargs max_norm', max_norm)
+    _positive('norm_bounding', 'max_norm', max_norm)
 
   def aggregate(updates, mask, state, key):
     """updates: leaves [C, ...]; mask: bool[C] -> one client's tree."""

@@ -49,7 +49,7 @@ import optax
 from fedrobust.aggregators.base import Aggregator
 from fedrobust.aggregators.finetune import (ApplyFn, check_server_data,
                                             finite_clients, select_rows)
-from fedrobust.engine.local import normalize_images
+from fedrobust.local import normalize_images
 from fedrobust.tree import ravel_clients, tree_add, unravel_like
 
 Params = Any

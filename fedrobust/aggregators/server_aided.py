@@ -41,7 +41,7 @@ first aggregate call).
 
 Server data: `server_data=(x uint8[V, H, W, Ch], y int32[V])`, `apply_fn`
 the model's pure apply (params, x float) -> logits. Images are normalised
-and batched with the same helpers as client training (engine.local). The
+and batched with the same helpers as client training (fedrobust.local). The
 arrays are closed over, i.e. embedded as constants in the jitted program:
 keep U small (the papers use ~100 examples).
 

@@ -10,6 +10,7 @@ import functools
 import inspect
 from typing import Callable
 
+from fedrobust.errors import SettingError
 from fedrobust.attacks.data_poisoning import (DataPoison, Trigger, badnets,
                                               blended, label_flip,
                                               parse_trigger_size,
@@ -48,7 +49,7 @@ ATTACKS = {**MODEL_ATTACKS, **DATA_ATTACKS}
 
 
 def get_model_attack(name: str, **kwargs) -> ModelAttack:
-  """Builds MODEL_ATTACKS[name]; ValueError naming --attack when it can't.
+  """Builds MODEL_ATTACKS[name]; SettingError naming the argument if not.
 
   Args:
     name: a key of MODEL_ATTACKS.
@@ -62,14 +63,15 @@ def get_model_attack(name: str, **kwargs) -> ModelAttack:
       value (raised by the factory).
   """
   if name not in MODEL_ATTACKS:
-    raise ValueError(f'--attack={name!r} is not a known model-poisoning '
-                     f'attack; expected one of {sorted(MODEL_ATTACKS)}')
+    raise SettingError('attack', f'{name!r} is not a known model-poisoning '
+                       f'attack; expected one of {sorted(MODEL_ATTACKS)}')
   factory = MODEL_ATTACKS[name]
   accepted = inspect.signature(factory).parameters
   unknown = sorted(set(kwargs) - set(accepted))
   if unknown:
-    raise ValueError(f'--attack={name} takes no setting(s) {unknown}; its '
-                     f'settings are {sorted(accepted)}')
+    raise SettingError('attack_kwargs', f'attack {name!r} takes no '
+                       f'setting(s) {unknown}; its settings are '
+                       f'{sorted(accepted)}')
   return factory(**kwargs)
 
 

@@ -240,9 +240,9 @@ def agr_tailored(*, rule: str = 'trimmed_mean', direction: str = 'std',
   """
   name = 'agr_tailored'
   if rule not in RULES:
-    raise invalid(name, f'rule must be one of {RULES}, got {rule!r}')
+    raise invalid(name, 'rule', f'must be one of {RULES}, got {rule!r}')
   if (rule == 'custom') != (aggregate_fn is not None):
-    raise invalid(name, 'aggregate_fn is required for rule=custom and only '
+    raise invalid(name, 'aggregate_fn', 'is required for rule=custom and only '
                   'allowed with it')
   check_direction(name, direction)
   check_search(name, gamma_init, tau, max_iters)

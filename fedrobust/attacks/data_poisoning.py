@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedrobust.errors import SettingError
+
 TRIGGER_LOCATIONS = ('top_left', 'top_right', 'bottom_left', 'bottom_right',
                      'center')
 
@@ -49,14 +51,14 @@ class Trigger(NamedTuple):
 
 
 def parse_trigger_size(text: str) -> tuple[int, int]:
-  """'2x6' -> (2, 6); ValueError naming --trigger_size otherwise."""
+  """'2x6' -> (2, 6); SettingError naming trigger_size otherwise."""
   try:
     h, w = (int(v) for v in text.lower().split('x'))
   except ValueError:
-    raise ValueError(f'--trigger_size={text!r}; expected HxW, e.g. 2x6') \
-        from None
+    raise SettingError('trigger_size', f'{text!r}; expected HxW, e.g. 2x6'
+                       ) from None
   if h < 1 or w < 1:
-    raise ValueError(f'--trigger_size={text!r} must be positive')
+    raise SettingError('trigger_size', f'{text!r} must be positive')
   return h, w
 
 
@@ -70,11 +72,11 @@ def trigger_mask(trigger: Trigger, image_shape: tuple[int, ...], *,
   h_img, w_img = image_shape[:2]
   if (trigger.height + trigger.margin > h_img or
       trigger.width + trigger.margin > w_img):
-    raise ValueError(f'--trigger_size={trigger.height}x{trigger.width} does '
-                     f'not fit a {h_img}x{w_img} image')
+    raise SettingError('trigger_size', f'{trigger.height}x{trigger.width} '
+                       f'does not fit a {h_img}x{w_img} image')
   if trigger.location not in TRIGGER_LOCATIONS:
-    raise ValueError(f'--trigger_location={trigger.location!r}; expected one '
-                     f'of {TRIGGER_LOCATIONS}')
+    raise SettingError('trigger_location', f'{trigger.location!r}; expected '
+                       f'one of {TRIGGER_LOCATIONS}')
   top, left = trigger.origin(h_img, w_img)
   cols = np.arange(trigger.width)
   if piece is not None:
@@ -160,8 +162,9 @@ def label_flip(*, num_classes: int, source_label: int = -1,
   """
   _check_fraction(poison_fraction)
   if source_label >= 0 and not 0 <= target_label < num_classes:
-    raise ValueError('--attack=label_flip with --flip_source_label needs '
-                     f'--backdoor_target_label in [0, {num_classes})')
+    raise SettingError('backdoor_target_label', 'label_flip with a '
+                       'flip_source_label needs backdoor_target_label in '
+                       f'[0, {num_classes})')
 
   def apply(x, y, rows, count, client_rank):
     del client_rank
@@ -177,7 +180,8 @@ def label_flip(*, num_classes: int, source_label: int = -1,
 
 def _check_fraction(fraction: float) -> None:
   if not 0.0 < fraction <= 1.0:
-    raise ValueError(f'--poison_fraction must be in (0, 1], got {fraction}')
+    raise SettingError('poison_fraction', f'must be in (0, 1], got '
+                       f'{fraction}')
 
 
 def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,

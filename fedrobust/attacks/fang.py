@@ -81,7 +81,7 @@ def fang_trim(*, b: float = 2.0) -> ModelAttack:
   """
   check_positive('fang_trim', 'b', b)
   if b <= 1:
-    raise invalid('fang_trim', f'b must be > 1, got {b!r}')
+    raise invalid('fang_trim', 'b', f'must be > 1, got {b!r}')
 
   def apply(updates, is_malicious, mask, key):
     benign = mask & ~is_malicious
@@ -161,7 +161,7 @@ def fang_krum(*, reference: str = 'global', num_byzantine: int | None = None,
   """
   name = 'fang_krum'
   if reference not in REFERENCES:
-    raise invalid(name, f'reference must be one of {REFERENCES}, got '
+    raise invalid(name, 'reference', f'must be one of {REFERENCES}, got '
                   f'{reference!r}')
   check_positive(name, 'threshold', threshold)
   check_count(name, 'max_halvings', max_halvings, minimum=0)

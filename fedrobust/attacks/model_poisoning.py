@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.special import ndtri
 
+from fedrobust.errors import SettingError
+
 Apply = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 DIRECTIONS = ('unit_vec', 'sign', 'std')
@@ -56,23 +58,23 @@ class ModelAttack(NamedTuple):
 # --------------------------------------------------------------------------
 
 
-def invalid(attack: str, message: str) -> ValueError:
-  """The ValueError every factory raises for a bad setting."""
-  return ValueError(f'--attack={attack}: {message}')
+def invalid(attack: str, argument: str, message: str) -> SettingError:
+  """The error every factory raises for a bad setting `argument`."""
+  return SettingError(argument, message, component=f'attack {attack}')
 
 
 def check_positive(attack: str, field: str, value) -> None:
   """Raises unless value is a finite real number > 0."""
   if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and
           math.isfinite(value) and value > 0):
-    raise invalid(attack, f'{field} must be a finite number > 0, got '
+    raise invalid(attack, field, f'must be a finite number > 0, got '
                   f'{value!r}')
 
 
 def check_direction(attack: str, direction: str) -> None:
   """Raises unless direction is one of DIRECTIONS."""
   if direction not in DIRECTIONS:
-    raise invalid(attack, f'direction must be one of {DIRECTIONS}, got '
+    raise invalid(attack, 'direction', f'must be one of {DIRECTIONS}, got '
                   f'{direction!r}')
 
 
@@ -80,7 +82,7 @@ def check_count(attack: str, field: str, value, *, minimum: int) -> None:
   """Raises unless value is an int >= minimum."""
   if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or
       value < minimum):
-    raise invalid(attack, f'{field} must be an int >= {minimum}, got '
+    raise invalid(attack, field, f'must be an int >= {minimum}, got '
                   f'{value!r}')
 
 
@@ -446,7 +448,7 @@ def lie(*, z: float | None = None) -> ModelAttack:
   """
   if z is not None and not (isinstance(z, numbers.Real) and
                             math.isfinite(z)):
-    raise invalid('lie', f'z must be a finite number or None, got {z!r}')
+    raise invalid('lie', 'z', f'must be a finite number or None, got {z!r}')
 
   def apply(updates, is_malicious, mask, key):
     del key

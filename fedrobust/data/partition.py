@@ -13,6 +13,8 @@ from typing import Callable
 
 import numpy as np
 
+from fedrobust.errors import SettingError
+
 # Resampling attempts before giving up on a minimum client size.
 _MAX_DIRICHLET_TRIES = 1000
 
@@ -34,10 +36,9 @@ def _check_labels(labels: np.ndarray) -> np.ndarray:
 
 def _check_num_clients(num_clients: int, n: int) -> None:
   if not 1 <= num_clients <= n:
-    raise ValueError(
-        f'--num_clients must be in [1, {n}] (the number of examples to '
-        f'partition), got {num_clients}.'
-    )
+    raise SettingError(
+        'num_clients', f'must be in [1, {n}] (the number of examples to '
+        f'partition), got {num_clients}.')
 
 
 def _check_min_size(num_clients: int, min_size: int, n: int) -> None:
@@ -130,7 +131,7 @@ def dirichlet(
   labels = _check_labels(labels)
   _check_num_clients(num_clients, len(labels))
   if not alpha > 0:
-    raise ValueError(f'--dirichlet_alpha must be > 0, got {alpha}.')
+    raise SettingError('dirichlet_alpha', f'must be > 0, got {alpha}.')
   _check_min_size(num_clients, min_size, len(labels))
   rng = np.random.default_rng(seed)
   by_class = list(_class_indices(labels, rng).values())
@@ -225,24 +226,21 @@ def pathological(
   by_class = list(_class_indices(labels, rng).values())
   num_classes = len(by_class)
   if not 1 <= classes_per_client <= num_classes:
-    raise ValueError(
-        f'--classes_per_client must be in [1, {num_classes}] (the number of '
-        f'classes), got {classes_per_client}.'
-    )
+    raise SettingError(
+        'classes_per_client', f'must be in [1, {num_classes}] (the number '
+        f'of classes), got {classes_per_client}.')
   num_shards = num_clients * classes_per_client
   if num_shards < num_classes:
-    raise ValueError(
-        f'--num_clients={num_clients} x --classes_per_client='
-        f'{classes_per_client} = {num_shards} shards cannot cover all '
-        f'{num_classes} classes; raise either flag.'
-    )
+    raise SettingError(
+        'classes_per_client', f'num_clients={num_clients} x '
+        f'classes_per_client={classes_per_client} = {num_shards} shards '
+        f'cannot cover all {num_classes} classes; raise either.')
   sizes = np.array([len(ix) for ix in by_class], dtype=np.int64)
   slots = _class_slots(sizes, num_shards, rng)
   if np.any(slots > sizes):
-    raise ValueError(
-        f'A class has fewer examples than its {slots.max()} shards; lower '
-        '--num_clients or --classes_per_client.'
-    )
+    raise SettingError(
+        'classes_per_client', f'a class has fewer examples than its '
+        f'{slots.max()} shards; lower num_clients or classes_per_client.')
   shards = [list(np.array_split(ix, s)) for ix, s in zip(by_class, slots)]
   picks = _assign_classes(slots, num_clients, classes_per_client, rng)
   chunks = [np.concatenate([shards[c].pop() for c in p]) for p in picks]
@@ -297,7 +295,7 @@ def quantity_skew(
   labels = _check_labels(labels)
   _check_num_clients(num_clients, len(labels))
   if not alpha > 0:
-    raise ValueError(f'--quantity_alpha must be > 0, got {alpha}.')
+    raise SettingError('quantity_alpha', f'must be > 0, got {alpha}.')
   _check_min_size(num_clients, min_size, len(labels))
   rng = np.random.default_rng(seed)
   sizes = _skewed_sizes(len(labels), num_clients, alpha, min_size, rng)
@@ -344,10 +342,9 @@ def partition(
     ValueError: If `name` is unknown or an argument is out of range.
   """
   if name not in PARTITIONERS:
-    raise ValueError(
-        f'Unknown --partition {name!r}; valid choices: '
-        f'{", ".join(sorted(PARTITIONERS))}.'
-    )
+    raise SettingError(
+        'partition', f'unknown {name!r}; valid choices: '
+        f'{", ".join(sorted(PARTITIONERS))}.')
   _check_num_clients(num_clients, len(labels))
   if name == 'iid':
     return iid(labels, num_clients, seed=seed)

@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from fedrobust.errors import SettingError
+
 DEFAULT_FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
 
 # IDX type codes (third magic byte) -> big-endian numpy dtype.
@@ -165,7 +167,7 @@ def _idx_not_found_message(data_dir: str, missing: Sequence[str]) -> str:
       f'Could not load IDX dataset {where}. Missing: {", ".join(missing)}. '
       'To get Fashion-MNIST on Debian/Ubuntu run '
       '`apt-get install -y dataset-fashion-mnist` (installs into '
-      f'{DEFAULT_FASHION_MNIST_DIR}), or pass --data_dir pointing at a '
+      f'{DEFAULT_FASHION_MNIST_DIR}), or pass data_dir pointing at a '
       f'directory with the four IDX files ({expected}; uncompressed files '
       'are accepted too).'
   )
@@ -245,10 +247,10 @@ def _tfds_not_found_message(
     name: str, data_dir: str | None, cause: BaseException
 ) -> str:
   where = (
-      f'in --data_dir {data_dir!r}'
+      f'in data_dir {data_dir!r}'
       if data_dir
       else 'in the default TFDS directory (~/tensorflow_datasets or '
-      '$TFDS_DATA_DIR; no --data_dir given)'
+      '$TFDS_DATA_DIR; no data_dir given)'
   )
   dir_arg = data_dir or '/path/to/tfds_data'
   first_line = str(cause).strip().split('\n', 1)[0]
@@ -258,7 +260,7 @@ def _tfds_not_found_message(
       'with internet (and TensorFlow, which `tfds build` needs) run '
       f'`tfds build {name} --data_dir={dir_arg} '
       '--file_format=array_record`, copy that directory here and pass it as '
-      f'--data_dir. (TFDS said: {type(cause).__name__}: {first_line})'
+      f'data_dir. (TFDS said: {type(cause).__name__}: {first_line})'
   )
 
 
@@ -378,10 +380,9 @@ def _load_fashion_mnist(data_dir: str | None) -> Dataset:
 
 def _load_any_idx(data_dir: str | None) -> Dataset:
   if data_dir is None:
-    raise ValueError(
-        "Dataset 'idx' needs --data_dir pointing at a directory with the four "
-        'IDX files.'
-    )
+    raise SettingError(
+        'data_dir', "dataset 'idx' needs data_dir pointing at a directory "
+        'with the four IDX files.')
   return load_idx(data_dir, name='idx')
 
 
@@ -418,8 +419,7 @@ def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
     DataNotFoundError: If the data is not available locally.
   """
   if name not in DATASETS:
-    raise ValueError(
-        f'Unknown --dataset {name!r}; valid choices: '
-        f'{", ".join(sorted(DATASETS))}.'
-    )
+    raise SettingError(
+        'dataset', f'unknown {name!r}; valid choices: '
+        f'{", ".join(sorted(DATASETS))}.')
   return DATASETS[name](data_dir)

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fedrobust.errors import SettingError
+
 
 class ServerSplits(NamedTuple):
   """Indices into the training set, by role.
@@ -76,29 +78,27 @@ def make_server_splits(
   """
   n = len(labels)
   if not 0.0 <= validation_fraction < 1.0:
-    raise ValueError(
-        f'--validation_fraction must be in [0, 1), got {validation_fraction}.'
-    )
+    raise SettingError('validation_fraction', f'must be in [0, 1), got '
+                       f'{validation_fraction}.')
   if validation_size < 0:
-    raise ValueError(f'--validation_size must be >= 0, got {validation_size}.')
+    raise SettingError('validation_size', f'must be >= 0, got '
+                       f'{validation_size}.')
   if public_size < 0:
-    raise ValueError(f'--public_size must be >= 0, got {public_size}.')
+    raise SettingError('public_size', f'must be >= 0, got {public_size}.')
   reserve_size = int(round(n * validation_fraction))
   if validation_size > reserve_size:
-    raise ValueError(
-        f'--validation_size={validation_size} exceeds the validation reserve '
-        f'of {reserve_size} examples (--validation_fraction='
-        f'{validation_fraction} of {n}); lower --validation_size or raise '
-        '--validation_fraction.'
-    )
+    raise SettingError(
+        'validation_size', f'{validation_size} exceeds the validation '
+        f'reserve of {reserve_size} examples (validation_fraction='
+        f'{validation_fraction} of {n}); lower validation_size or raise '
+        'validation_fraction.')
   rng_reserve, rng_validation, rng_public = _rngs(seed, 3)
   perm = rng_reserve.permutation(n)
   reserve, rest = perm[:reserve_size], perm[reserve_size:]
   if public_size >= len(rest):
-    raise ValueError(
-        f'--public_size={public_size} leaves no examples for the clients '
-        f'(only {len(rest)} are outside the validation reserve).'
-    )
+    raise SettingError(
+        'public_size', f'{public_size} leaves no examples for the clients '
+        f'(only {len(rest)} are outside the validation reserve).')
   validation = rng_validation.choice(reserve, validation_size, replace=False)
   public_pos = rng_public.choice(len(rest), public_size, replace=False)
   client_pool = np.delete(rest, public_pos)

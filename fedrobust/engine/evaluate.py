@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedrobust.engine.local import normalize_images
+from fedrobust.local import normalize_images
 
 Params = Any
 

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from fedrobust.errors import SettingError
+
 PyTree = Any
 STRATEGIES = ('vmap', 'chunked', 'sequential')
 CLIENT_AXIS = 'clients'
@@ -40,11 +42,11 @@ def default_strategy(backend: str | None = None) -> str:
 
 def validate_strategy(strategy: str, chunk_size: int) -> None:
   if strategy not in STRATEGIES:
-    raise ValueError(f'--client_execution={strategy!r}; expected one of '
-                     f'{("auto",) + STRATEGIES}')
+    raise SettingError('client_execution', f'got {strategy!r}; expected '
+                       f'one of {("auto",) + STRATEGIES}')
   if strategy == 'chunked' and chunk_size < 1:
-    raise ValueError('--client_execution=chunked needs --chunk_size >= 1, '
-                     f'got {chunk_size}')
+    raise SettingError('chunk_size', 'client_execution=chunked needs '
+                       f'chunk_size >= 1, got {chunk_size}')
 
 
 def map_clients(fn: Callable[[PyTree], PyTree], per_client: PyTree, *,
@@ -75,8 +77,8 @@ def client_mesh(num_devices: int | None = None) -> Mesh:
   devices = jax.devices()
   if num_devices is not None:
     if not 1 <= num_devices <= len(devices):
-      raise ValueError(f'--num_devices={num_devices}; this host sees '
-                       f'{len(devices)} device(s)')
+      raise SettingError('num_devices', f'got {num_devices}; this host '
+                         f'sees {len(devices)} device(s)')
     devices = devices[:num_devices]
   return Mesh(np.array(devices), (CLIENT_AXIS,))
 

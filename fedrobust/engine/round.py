@@ -1,16 +1,24 @@
 """One federated round as one pure function, jitted by the caller.
 
-round_step(state, data, server_data) -> (state, metrics):
-  1. sample C of the K clients (sorted ids, padded to a multiple of the
-     device count with masked slots);
+round_step(state, data, server_data) -> (state, metrics). For every cohort
+j (a static Python loop at trace time, so still one program):
+  1. sample C_j of the cohort's clients (sorted ids, padded to a multiple
+     of the device count with masked slots); with client delays, a sampled
+     client that is still busy with an earlier update is masked too;
   2. run the method's client_update for every slot (engine.execution);
-  3. hand the stacked outputs and the mask to the method's server_update;
-  4. advance the round counter and the PRNG key.
+  3. with a Threat, mark the attacking slots (data poisoning happens inside
+     their local training) and apply the model attack to their deltas;
+  4. without delays, the slots are this round's arrivals; with delays they
+     enter the cohort's in-flight ring (engine.delay) and the entries due
+     this round arrive, each with its staleness.
+Then the method's server_update sees every cohort's arrivals at once, and
+the round counter and PRNG key advance.
 
-With a Threat, the round also marks this round's attacking slots (data
-poisoning happens inside their local training) and applies the model
-attack to the stacked deltas between 2 and 3. Aggregators report
-info['weights'] [C]; the round turns them into detection counts.
+Aggregators report info['weights'] per cohort; the round turns them into
+detection counts (zero weight = excluded), the mean weight share of
+malicious and benign clients, and the weight AUC (how often a benign client
+outweighs a malicious one), which is meaningful for soft-weighting rules
+that never exclude anyone.
 """
 
 from __future__ import annotations
@@ -19,33 +27,18 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
+from fedrobust.engine import delay as delay_lib
 from fedrobust.engine.execution import run_clients, validate_strategy
+from fedrobust.errors import SettingError
 from fedrobust.tree import ravel_clients, unravel_like
-from fedrobust.types import ClientOutput, FederatedData, LocalData, ServerState
+from fedrobust.types import (Arrivals, AsyncState, FederatedData, LocalData,
+                             Method, ServerState)
 
 Params = Any
 PyTree = Any
-
-
-class Method(NamedTuple):
-  """A federated algorithm as pure functions (see STYLE.md).
-
-  init(params, num_clients, key) -> method_state
-      Server-side state; per-client arrays are leaves [K, ...].
-  client_state(method_state, ids int32[C]) -> per-client slices [C, ...]
-  client_update(params, client_state, local: LocalData, key, server_data)
-      -> ClientOutput, for ONE client.
-  server_update(state: ServerState, ids, outputs, mask, key, server_data)
-      -> (params, method_state, info dict of arrays)
-      outputs: ClientOutput with leaves [C, ...]; mask: bool[C].
-  """
-  name: str
-  init: Callable[..., PyTree]
-  client_state: Callable[[PyTree, jax.Array], PyTree]
-  client_update: Callable[..., ClientOutput]
-  server_update: Callable[..., tuple[Params, PyTree, dict[str, jax.Array]]]
 
 
 class Threat(NamedTuple):
@@ -56,7 +49,8 @@ class Threat(NamedTuple):
   start_round: first (1-based) round in which attackers act; before it
     they behave honestly.
   model_attack: optional apply(updates float[C, D], is_malicious bool[C],
-    mask bool[C], key) -> float[C, D] on the raveled client deltas.
+    mask bool[C], key) -> float[C, D] on the raveled client deltas (per
+    cohort: attackers craft within their own architecture).
   Data poisoning is the method's business: client_update sees
   LocalData.is_malicious and LocalData.attacker_rank.
   """
@@ -66,60 +60,157 @@ class Threat(NamedTuple):
   model_attack: Callable | None = None
 
 
+class CohortSlots(NamedTuple):
+  """Static membership of one cohort: its client ids and C_j."""
+  members: tuple[int, ...]
+  clients_per_round: int
+
+
 class RoundConfig(NamedTuple):
-  """Static settings of the round program."""
+  """Static settings of the round program.
+
+  cohorts: () for one cohort of every client (C = clients_per_round);
+    otherwise one CohortSlots per cohort, members partitioning range(K) and
+    clients_per_round summing to C.
+  delay: engine.delay.DelayModel for semi-asynchronous rounds, or None.
+  """
   num_clients: int          # K
   clients_per_round: int    # C
   strategy: str             # engine.execution.STRATEGIES
   chunk_size: int = 0
-  num_devices: int = 1      # slots are padded to a multiple of this
+  num_devices: int = 1      # each cohort's slots are padded to a multiple
+  cohorts: tuple[CohortSlots, ...] = ()
+  delay: delay_lib.DelayModel | None = None
+
+  def cohort_slots(self) -> tuple[CohortSlots, ...]:
+    if self.cohorts:
+      return self.cohorts
+    return (CohortSlots(tuple(range(self.num_clients)),
+                        self.clients_per_round),)
+
+  def padded(self, c: int) -> int:
+    d = self.num_devices
+    return -(-c // d) * d
 
   @property
   def num_slots(self) -> int:
-    d = self.num_devices
-    return -(-self.clients_per_round // d) * d
+    return sum(self.padded(s.clients_per_round) for s in self.cohort_slots())
 
 
 def validate_round_config(config: RoundConfig) -> None:
   if config.num_clients < 1:
-    raise ValueError(f'--num_clients must be >= 1, got {config.num_clients}')
+    raise SettingError('num_clients', f'must be >= 1, got '
+                       f'{config.num_clients}')
   if not 1 <= config.clients_per_round <= config.num_clients:
-    raise ValueError(
-        f'--clients_per_round={config.clients_per_round} must be in '
-        f'[1, --num_clients={config.num_clients}]')
+    raise SettingError(
+        'clients_per_round', f'{config.clients_per_round} must be in '
+        f'[1, num_clients={config.num_clients}]')
   validate_strategy(config.strategy, config.chunk_size)
+  slots = config.cohort_slots()
+  members = np.concatenate([np.asarray(s.members, np.int64) for s in slots])
+  if sorted(members.tolist()) != list(range(config.num_clients)):
+    raise SettingError('cohorts', 'cohort members must partition the '
+                       f'{config.num_clients} clients')
+  for j, s in enumerate(slots):
+    if not 1 <= s.clients_per_round <= len(s.members):
+      raise SettingError('cohorts', f'cohort {j} samples '
+                         f'{s.clients_per_round} of its {len(s.members)} '
+                         'clients per round; need 1 <= C_j <= members')
+  if sum(s.clients_per_round for s in slots) != config.clients_per_round:
+    raise SettingError('cohorts', 'per-cohort clients per round must sum '
+                       f'to clients_per_round={config.clients_per_round}')
+
+
+def sample_cohort(key: jax.Array, slots: CohortSlots, num_slots: int
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Uniform sample of C_j distinct members, sorted, padded to the slots.
+
+  Returns:
+    ids int32[num_slots] and mask bool[num_slots]; padded slots carry the
+    first member's id and mask False.
+  """
+  members = jnp.asarray(slots.members, jnp.int32)
+  k, c = len(slots.members), slots.clients_per_round
+  if c == k:
+    ids = members
+  else:
+    ids = jnp.sort(members[jax.random.permutation(key, k)[:c]])
+  pad = num_slots - c
+  mask = jnp.concatenate([jnp.ones(c, bool), jnp.zeros(pad, bool)])
+  fill = jnp.full((pad,), slots.members[0], jnp.int32)
+  return jnp.concatenate([ids.astype(jnp.int32), fill]), mask
 
 
 def sample_clients(key: jax.Array, config: RoundConfig
                    ) -> tuple[jax.Array, jax.Array]:
-  """Uniform sample of C distinct clients, sorted, padded to the slots.
+  """The single-cohort sample (see sample_cohort)."""
+  slots = config.cohort_slots()
+  if len(slots) != 1:
+    raise SettingError('cohorts', 'sample_clients is for one cohort; use '
+                       'sample_cohort')
+  return sample_cohort(key, slots[0], config.num_slots)
 
-  Returns:
-    ids int32[slots] and mask bool[slots]; padded slots carry id 0 and
-    mask False.
+
+def init_server_state(method: Method, params: tuple[Params, ...],
+                      num_clients: int, seed: int, *,
+                      config: RoundConfig | None = None,
+                      data: FederatedData | None = None,
+                      server_data: PyTree = ()) -> ServerState:
+  """The round-0 state.
+
+  Args:
+    method: the federated algorithm.
+    params: one freshly initialised full params tree per cohort (a bare
+      tree is taken as a single cohort's).
+    num_clients: K.
+    seed: seeds the round keys and the method's init.
+    config, data, server_data: needed only with client delays, to size the
+      in-flight buffers from the client outputs' shapes.
   """
-  k, c = config.num_clients, config.clients_per_round
-  if c == k:
-    ids = jnp.arange(k, dtype=jnp.int32)
-  else:
-    ids = jnp.sort(jax.random.permutation(key, k)[:c]).astype(jnp.int32)
-  pad = config.num_slots - c
-  mask = jnp.concatenate([jnp.ones(c, bool), jnp.zeros(pad, bool)])
-  return jnp.concatenate([ids, jnp.zeros(pad, jnp.int32)]), mask
-
-
-def init_server_state(method: Method, params: Params, num_clients: int,
-                      seed: int) -> ServerState:
+  if not isinstance(params, tuple):
+    params = (params,)
   key = jax.random.key(seed)
   key, init_key = jax.random.split(key)
+  global_params, method_state = method.init(params, num_clients, init_key)
   # A method state may hold the params themselves (rules that track the
   # global model); copy it so no buffer appears twice when the state is
   # donated to the round.
-  method_state = jax.tree.map(jnp.copy,
-                              method.init(params, num_clients, init_key))
-  return ServerState(round=jnp.zeros((), jnp.int32), params=params,
-                     method_state=method_state,
-                     key=jax.random.key_data(key))
+  method_state = jax.tree.map(jnp.copy, method_state)
+  state = ServerState(round=jnp.zeros((), jnp.int32),
+                      params=tuple(global_params),
+                      method_state=method_state,
+                      key=jax.random.key_data(key))
+  if config is not None and config.delay is not None:
+    if data is None:
+      raise SettingError('client_delay', 'sizing the in-flight buffers '
+                         'needs the federated data')
+    state = state._replace(pending=init_pending(method, config, state, data,
+                                                server_data))
+  return state
+
+
+def client_output_shapes(method: Method, cohort: int, state: ServerState,
+                         data: FederatedData, server_data: PyTree) -> Any:
+  """ONE client's ClientOutput of `cohort` as ShapeDtypeStructs."""
+  def one(state, data, server_data):
+    ids = jnp.zeros((1,), jnp.int32)
+    client_state = jax.tree.map(lambda leaf: leaf[0], method.client_state(
+        state.method_state, cohort, ids))
+    local = LocalData(data.x, data.y, ids[0], data.count[0])
+    return method.client_update(cohort, method.broadcast(state, cohort),
+                                client_state, local, jax.random.key(0),
+                                server_data)
+  return jax.eval_shape(one, state, data, server_data)
+
+
+def init_pending(method: Method, config: RoundConfig, state: ServerState,
+                 data: FederatedData, server_data: PyTree) -> AsyncState:
+  buffers = tuple(
+      delay_lib.empty_buffer(
+          client_output_shapes(method, j, state, data, server_data),
+          config.padded(s.clients_per_round), config.delay)
+      for j, s in enumerate(config.cohort_slots()))
+  return AsyncState(buffers, jnp.zeros((config.num_clients,), jnp.int32))
 
 
 def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -157,6 +248,45 @@ def detection_counts(weights: jax.Array, is_mal: jax.Array,
                                                           & mask)}
 
 
+def weight_auc(weights: jax.Array, is_mal: jax.Array,
+               mask: jax.Array) -> jax.Array:
+  """P(a benign client's weight > a malicious client's), ties count 1/2.
+
+  1 is perfect down-weighting of attackers, 0.5 chance, 0 inverted; NaN
+  when the round has no real benign or no real malicious client.
+  """
+  benign = mask & ~is_mal
+  mal = mask & is_mal
+  w = jnp.where(mask, weights, 0.0)
+  diff = w[:, None] - w[None, :]
+  pair = benign[:, None] & mal[None, :]
+  score = jnp.where(diff > 0, 1.0, jnp.where(diff == 0, 0.5, 0.0))
+  pairs = jnp.sum(pair).astype(jnp.float32)
+  return jnp.where(pairs > 0, jnp.sum(jnp.where(pair, score, 0.0)) /
+                   jnp.maximum(pairs, 1.0), jnp.nan)
+
+
+def weight_metrics(weights: jax.Array, is_mal: jax.Array,
+                   mask: jax.Array) -> dict[str, jax.Array]:
+  metrics = detection_counts(weights, is_mal, mask)
+  # Mean share of the round's aggregation weight (shares sum to 1 over the
+  # real clients; FedAvg's raw weights are example counts).
+  total = jnp.sum(jnp.where(mask, weights, 0.0))
+  share = weights / jnp.where(total > 0, total, 1.0)
+  metrics['weight_malicious'] = masked_mean(share, is_mal)
+  metrics['weight_benign'] = masked_mean(share, mask & ~is_mal)
+  metrics['detection_weight_auc'] = weight_auc(weights, is_mal, mask)
+  return metrics
+
+
+def _attack(outputs, threat, is_mal, mask, key):
+  flat = ravel_clients(outputs.delta)
+  attacked = threat.model_attack(flat, is_mal, mask, key)
+  like = jax.tree.map(lambda leaf: leaf[0], outputs.delta)
+  return outputs._replace(delta=jax.vmap(
+      lambda row: unravel_like(row, like))(attacked))
+
+
 def make_round_step(method: Method, config: RoundConfig, *,
                     mesh: Mesh | None = None,
                     threat: Threat | None = None) -> Callable:
@@ -174,62 +304,112 @@ def make_round_step(method: Method, config: RoundConfig, *,
   """
   validate_round_config(config)
   if mesh is not None and mesh.size != config.num_devices:
-    raise ValueError(f'mesh has {mesh.size} devices, config says '
-                     f'{config.num_devices}')
+    raise SettingError('num_devices', f'the mesh has {mesh.size} devices, '
+                       f'the config says {config.num_devices}')
+  cohorts = config.cohort_slots()
+  delay = config.delay
 
-  def one_client(per_client, shared):
-    client_id, key_data, client_state, is_mal, rank = per_client
-    params, data, server_data = shared
-    local = LocalData(data.x, data.y, client_id, data.count[client_id],
-                      is_mal, rank)
-    key = jax.random.wrap_key_data(key_data)
-    return method.client_update(params, client_state, local, key, server_data)
+  def client_fn(j):
+    def one_client(per_client, shared):
+      client_id, key_data, client_state, is_mal, rank = per_client
+      broadcast, data, server_data = shared
+      local = LocalData(data.x, data.y, client_id, data.count[client_id],
+                        is_mal, rank)
+      key = jax.random.wrap_key_data(key_data)
+      return method.client_update(j, broadcast, client_state, local, key,
+                                  server_data)
+    return one_client
 
   def round_step(state: ServerState, data: FederatedData,
                  server_data: PyTree = ()):
     key = jax.random.wrap_key_data(state.key)
     (key, sample_key, client_key, server_key, threat_key,
      attack_key) = jax.random.split(key, 6)
-    ids, mask = sample_clients(sample_key, config)
-    if threat is None:
-      is_mal = jnp.zeros(ids.shape, bool)
-      rank = jnp.zeros(ids.shape, jnp.int32)
-    else:
-      is_mal, rank = malicious_slots(threat_key, ids, mask, threat,
-                                     config.num_clients, state.round + 1)
-    # A client's key depends on its id and the round, never on its slot.
-    keys = jax.vmap(lambda i: jax.random.key_data(
-        jax.random.fold_in(client_key, i)))(ids)
-    client_state = method.client_state(state.method_state, ids)
-    outputs = run_clients(one_client, (ids, keys, client_state, is_mal, rank),
-                          (state.params, data, server_data),
-                          strategy=config.strategy,
-                          chunk_size=config.chunk_size, mesh=mesh)
-    if threat is not None and threat.model_attack is not None:
-      flat = ravel_clients(outputs.delta)
-      attacked = threat.model_attack(flat, is_mal, mask, attack_key)
-      like = jax.tree.map(lambda leaf: leaf[0], outputs.delta)
-      outputs = outputs._replace(delta=jax.vmap(
-          lambda row: unravel_like(row, like))(attacked))
+    now = state.round + 1
+    # Cohort 0 uses the round's keys as they are (a one-cohort round is the
+    # plain synchronous round); later cohorts fold in their index.
+    per_cohort = lambda k, j: k if j == 0 else jax.random.fold_in(k, j)
+    pending = state.pending
+    busy_until = pending.busy_until if delay is not None else None
+    arrivals, arrival_mal, buffers = [], [], []
+    computed = []    # (outputs, run mask) of this round's computations
+    num_attacking = jnp.float32(0.0)
+    for j, slots in enumerate(cohorts):
+      ids, mask = sample_cohort(per_cohort(sample_key, j), slots,
+                                config.padded(slots.clients_per_round))
+      if delay is not None:
+        mask = mask & (busy_until[ids] < now)   # busy clients are away
+      if threat is None:
+        is_mal = jnp.zeros(ids.shape, bool)
+        rank = jnp.zeros(ids.shape, jnp.int32)
+      else:
+        is_mal, rank = malicious_slots(threat_key, ids, mask, threat,
+                                       config.num_clients, now)
+      num_attacking += jnp.sum(is_mal).astype(jnp.float32)
+      # A client's key depends on its id and the round, never on its slot.
+      keys = jax.vmap(lambda i: jax.random.key_data(
+          jax.random.fold_in(client_key, i)))(ids)
+      client_state = method.client_state(state.method_state, j, ids)
+      outputs = run_clients(client_fn(j),
+                            (ids, keys, client_state, is_mal, rank),
+                            (method.broadcast(state, j), data, server_data),
+                            strategy=config.strategy,
+                            chunk_size=config.chunk_size, mesh=mesh)
+      if threat is not None and threat.model_attack is not None:
+        outputs = _attack(outputs, threat, is_mal, mask,
+                          per_cohort(attack_key, j))
+      computed.append((outputs, mask))
+      if delay is None:
+        arrivals.append(Arrivals(ids, mask, outputs,
+                                 jnp.zeros(ids.shape, jnp.int32)))
+        arrival_mal.append(is_mal)
+        continue
+      delays = delay_lib.sample_delays(
+          jax.random.fold_in(per_cohort(sample_key, j), 0x5EED), ids, delay)
+      rows = jnp.where(mask, ids, config.num_clients)   # masked: dropped
+      busy_until = busy_until.at[rows].set(now + delays, mode='drop')
+      buffer = delay_lib.enqueue(pending.buffers[j], now, outputs, ids,
+                                 is_mal, delays, mask, delay)
+      arriving, staleness, buffer = delay_lib.dequeue(buffer, now)
+      buffers.append(buffer)
+      arrivals.append(Arrivals(buffer.ids, arriving, buffer.outputs,
+                               staleness))
+      arrival_mal.append(buffer.is_malicious & arriving)
+
     params, method_state, info = method.server_update(
-        state, ids, outputs, mask, server_key, server_data)
-    metrics = {name: masked_mean(v, mask)
-               for name, v in outputs.metrics.items()}
-    metrics['examples'] = jnp.sum(jnp.where(mask, outputs.weight, 0.0))
-    metrics['num_attacking'] = jnp.sum(is_mal).astype(jnp.float32)
+        state, tuple(arrivals), server_key, server_data)
+
+    metrics = {}
+    names = sorted(set().union(*(o.metrics for o, _ in computed)))
+    for name in names:
+      values = [(o.metrics[name], m) for o, m in computed
+                if name in o.metrics]
+      metrics[name] = masked_mean(jnp.concatenate([v for v, _ in values]),
+                                  jnp.concatenate([m for _, m in values]))
+    metrics['examples'] = sum(jnp.sum(jnp.where(m, o.weight, 0.0))
+                              for o, m in computed)
+    metrics['num_attacking'] = num_attacking
+    metrics['clients_trained'] = sum(jnp.sum(m).astype(jnp.float32)
+                                     for _, m in computed)
+    if delay is not None:
+      mask_all = jnp.concatenate([a.mask for a in arrivals])
+      stale = jnp.concatenate([a.staleness for a in arrivals])
+      metrics['arrivals'] = jnp.sum(mask_all).astype(jnp.float32)
+      metrics['staleness_mean'] = masked_mean(stale.astype(jnp.float32),
+                                              mask_all)
+      metrics['staleness_max'] = jnp.max(jnp.where(mask_all, stale, 0)
+                                         ).astype(jnp.float32)
     info = dict(info)
     weights = info.pop('weights', None)
     if weights is not None:
-      metrics.update(detection_counts(weights, is_mal, mask))
-      # Mean share of the round's aggregation weight (shares sum to 1 over
-      # the real clients; FedAvg's raw weights are example counts).
-      total = jnp.sum(jnp.where(mask, weights, 0.0))
-      share = weights / jnp.where(total > 0, total, 1.0)
-      metrics['weight_malicious'] = masked_mean(share, is_mal)
-      metrics['weight_benign'] = masked_mean(share, mask & ~is_mal)
+      metrics.update(weight_metrics(
+          jnp.concatenate(weights), jnp.concatenate(arrival_mal),
+          jnp.concatenate([a.mask for a in arrivals])))
     metrics.update({k: v for k, v in info.items() if jnp.ndim(v) == 0})
-    new_state = ServerState(state.round + 1, params, method_state,
-                            jax.random.key_data(key))
+    new_pending = (AsyncState(tuple(buffers), busy_until)
+                   if delay is not None else state.pending)
+    new_state = ServerState(now, tuple(params), method_state,
+                            jax.random.key_data(key), new_pending)
     return new_state, metrics
 
   return round_step

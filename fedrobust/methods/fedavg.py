@@ -1,106 +1,133 @@
-"""FedAvg (McMahan et al. 2017) and FedProx (Li et al. 2020).
+"""FedAvg (McMahan et al. 2017) and FedProx (Li et al. 2020) over cohorts.
 
-Client: S masked SGD steps from the global model w (FedProx adds
-mu/2 ||v - w||^2 to the local loss). Server: w <- w + eta * sum_c n_c
-delta_c / sum_c n_c over the round's real clients, n_c the client's
-example count.
+Client: S masked SGD steps on its cohort transform's trainable tree (the
+full model, LoRA factors, or a width-sliced submodel), starting from the
+broadcast; FedProx adds mu/2 ||v - w||^2 to the local loss. Server: the
+aggregator (by default the weighted mean w <- w + eta * sum_c n_c delta_c /
+sum_c n_c over the round's real clients, n_c the client's example count)
+and the server step.
+
+Several cohorts (different architectures): each cohort averages its own
+trainable tree; the subtrees of the `share` roles (default: the 'head',
+the classifier) are aggregated across all cohorts after zero-padding to a
+common shape (see fedrobust.cohort), which is how CNN and LSTM clients
+learn together. Settings: FedProx's mu (--fedprox_mu) and the shared
+roles (--cohort_share).
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedrobust.engine.local import (LocalConfig, classification_loss,
-                                    make_batch_plan, train_steps)
 from fedrobust.aggregators.base import Aggregator
-from fedrobust.engine.round import Method
-from fedrobust.models import Model
-from fedrobust.tree import masked_weighted_mean, tree_sq_norm, tree_sub
-from fedrobust.types import ClientOutput
+from fedrobust.cohort import Cohort
+from fedrobust.errors import SettingError
+from fedrobust.local import LocalConfig
+from fedrobust.methods.base import (MethodSpec, cohort_aggregation,
+                                    eval_models_of, server_step,
+                                    transformed_sgd_update)
+from fedrobust.settings import Setting
+from fedrobust.types import Method
+
+SHARE = Setting('cohort_share', 'head', 'Roles whose trainable parameters '
+                'all cohorts aggregate together (comma-separated: head, '
+                'first; "none" shares nothing). Used with several '
+                '--cohorts.', arg='share', shared=True)
 
 
-def local_sgd_update(model: Model, *, local: LocalConfig,
-                     optimizer: optax.GradientTransformation,
-                     proximal_mu: float = 0.0, poison=None):
-  """client_update for methods whose client runs plain (proximal) SGD.
-
-  `poison` (attacks.data_poisoning.DataPoison) poisons the batches of
-  clients whose LocalData.is_malicious is set.
-  """
-  base_loss = classification_loss(model.apply)
-
-  def client_update(params, client_state, data, key, server_data):
-    del server_data
-    plan_key, train_key = jax.random.split(key)
-    plan = make_batch_plan(plan_key, data.count, config=local)
-
-    def loss_fn(p, x, y, mask, k):
-      loss, aux = base_loss(p, x, y, mask, k)
-      if proximal_mu:
-        loss = loss + 0.5 * proximal_mu * tree_sq_norm(tree_sub(p, params))
-      return loss, aux
-
-    new_params, metrics = train_steps(loss_fn, params, data, plan, train_key,
-                                      optimizer=optimizer, config=local,
-                                      poison=poison)
-    return ClientOutput(delta=tree_sub(new_params, params),
-                        weight=data.count.astype(jnp.float32),
-                        client_state=client_state, metrics=metrics)
-
-  return client_update
+class FedAvgState(NamedTuple):
+  base: tuple     # each cohort's frozen base (() for the identity transform)
+  agg: Any        # the aggregator's state (per group with several cohorts)
 
 
-def no_client_state(method_state, ids):
-  del method_state, ids
-  return ()
+def parse_share(share: str | tuple) -> tuple[str, ...]:
+  if isinstance(share, tuple):
+    return share
+  roles = tuple(r.strip() for r in share.split(',') if r.strip())
+  return () if roles == ('none',) else roles
 
 
-def fedavg(*, model: Model, local: LocalConfig,
-           optimizer: optax.GradientTransformation, server_lr: float = 1.0,
-           proximal_mu: float = 0.0, aggregator: Aggregator | None = None,
-           poison=None) -> Method:
-  """FedAvg (proximal_mu == 0) or FedProx (proximal_mu > 0).
-
-  With an `aggregator` the server replaces the size-weighted mean by that
-  robust rule (unweighted, as the rules are defined); its state is the
-  method state.
+def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
+           optimizer: optax.GradientTransformation, aggregator: Aggregator,
+           server_lr: float = 1.0, poison=None, num_clients: int = 0,
+           mu: float = 0.0, share: str | tuple = 'head') -> Method:
+  """FedAvg (mu == 0) or FedProx (mu > 0).
 
   Args:
-    model: the shared architecture.
+    cohorts: the federation's cohorts (fedrobust.cohort).
     local: static local-training settings.
     optimizer: the client optimizer (fresh state every round).
-    server_lr: eta, the server step on the averaged delta.
-    proximal_mu: FedProx's mu; 0 gives FedAvg.
-    aggregator: optional robust aggregation rule (aggregators.AGGREGATORS).
+    aggregator: the server rule (aggregators.AGGREGATORS; FedAvg's is
+      weighted_mean); it gets weights, ids, coverage and staleness.
+    server_lr: eta, the server step on the aggregated update.
     poison: optional data poison for malicious clients.
+    num_clients: K (unused; uniform factory interface).
+    mu: FedProx's proximal weight; 0 gives FedAvg.
+    share: roles aggregated across cohorts ('head', 'first', 'none').
 
   Returns:
     A Method.
   """
-  if proximal_mu < 0:
-    raise ValueError(f'--fedprox_mu must be >= 0, got {proximal_mu}')
+  del num_clients
+  if not (mu >= 0 and jnp.isfinite(mu)):
+    raise SettingError('mu', f'must be >= 0 and finite, got {mu}',
+                       component='method fedprox')
+  share = parse_share(share)
+  aggregation = cohort_aggregation(aggregator, cohorts, share)
+  updates = [transformed_sgd_update(c, local=local, optimizer=optimizer,
+                                    proximal_mu=mu, poison=poison)
+             for c in cohorts]
+  specs = [jnp.asarray(c.specs, jnp.float32) if c.transform.spec_name
+           else None for c in cohorts]
 
   def init(params, num_clients, key):
-    del num_clients, key
-    return aggregator.init(params) if aggregator is not None else ()
+    del num_clients
+    split = [c.transform.init(p, jax.random.fold_in(key, j))
+             for j, (c, p) in enumerate(zip(cohorts, params))]
+    trainables = tuple(t for _, t in split)
+    return trainables, FedAvgState(base=tuple(b for b, _ in split),
+                                   agg=aggregation.init(trainables))
 
-  def server_update(state, ids, outputs, mask, key, server_data):
-    del ids, server_data
-    if aggregator is None:
-      update = masked_weighted_mean(outputs.delta, outputs.weight, mask)
-      agg_state = state.method_state
-      info = {'weights': jnp.where(mask, outputs.weight, 0.0)}
-    else:
-      update, agg_state, info = aggregator.aggregate(
-          outputs.delta, mask, state.method_state, key)
-    params = jax.tree.map(lambda w, d: w + server_lr * d, state.params,
-                          update)
-    return params, agg_state, info
+  def broadcast(state, j):
+    return (state.method_state.base[j], state.params[j], state.round + 1)
 
-  name = 'fedprox' if proximal_mu else 'fedavg'
-  return Method(name, init, no_client_state,
-                local_sgd_update(model, local=local, optimizer=optimizer,
-                                 proximal_mu=proximal_mu, poison=poison),
-                server_update)
+  def client_state(method_state, j, ids):
+    del method_state
+    return () if specs[j] is None else specs[j][ids]
+
+  def client_update(j, broadcast, spec, data, key, server_data):
+    del server_data
+    return updates[j](broadcast, spec, data, key)
+
+  def server_update(state, arrivals, key, server_data):
+    del server_data
+    update, agg_state, info = aggregation.aggregate(
+        state.params, arrivals, state.method_state.agg, key)
+    params = tuple(server_step(p, u, server_lr)
+                   for p, u in zip(state.params, update))
+    return params, state.method_state._replace(agg=agg_state), info
+
+  def eval_models(state):
+    return eval_models_of(cohorts, state.method_state.base, state.params)
+
+  name = 'fedprox' if mu else 'fedavg'
+  return Method(name, init, broadcast, client_state, client_update,
+                server_update, eval_models,
+                provides=frozenset({'weights', 'ids', 'coverage',
+                                    'staleness'}))
+
+
+FEDAVG = MethodSpec(
+    build=fedavg,
+    summary='FedAvg: local SGD, the weighted mean of the updates.',
+    settings=(SHARE,))
+
+FEDPROX = MethodSpec(
+    build=fedavg,
+    summary='FedProx: FedAvg with a proximal term mu/2 ||v - w||^2.',
+    settings=(Setting('mu', 0.01, 'FedProx proximal weight mu (> 0).'),
+              SHARE))

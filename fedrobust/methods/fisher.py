@@ -22,7 +22,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from fedrobust.engine.local import normalize_images
+from fedrobust.errors import check_choice
+from fedrobust.local import normalize_images
 
 Params = Any
 IMPORTANCES = ('fisher', 'abs_grad')
@@ -55,12 +56,8 @@ def fisher_diagonal(apply_fn: Callable, params: Params, x: jax.Array,
   Returns:
     A tree shaped like params; zeros if there is no real example.
   """
-  if importance not in IMPORTANCES:
-    raise ValueError(f'--sdfc_importance={importance!r}; expected one of '
-                     f'{IMPORTANCES}')
-  if mode not in FISHER_MODES:
-    raise ValueError(f'--sdfc_fisher={mode!r}; expected one of '
-                     f'{FISHER_MODES}')
+  check_choice('importance', importance, IMPORTANCES)
+  check_choice('fisher_mode', mode, FISHER_MODES)
   stat = jnp.square if importance == 'fisher' else jnp.abs
 
   def one_example_grad(xe, ye):

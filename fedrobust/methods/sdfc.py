@@ -14,14 +14,18 @@ anchor does not matter; we anchor it on the global model it starts from.
 
 FDAgg (Eq. 10): T_k = sum_v H_{k,v}; min-max normalised over the round's
 real clients; alpha_k = sigmoid(-T^_k) / sum sigmoid(-T^). The server takes
-w <- w + server_lr * sum_k alpha_k (w_k - w).
+w <- w + server_lr * sum_k alpha_k (w_k - w). FDAgg is the registered
+aggregator 'fdagg' (aggregators/mean.py), fed T_k as its `scores`; any
+other rule composes with FDReg the same way (--method=sdfc
+--aggregator=median is FDReg training plus the median).
 
 Per-client state (w^{t-1}_k, H_k, seen_k) lives in the method state as
 leaves [K, ...] indexed by client id, so it is checkpointed with the
 server state and survives resume.
 
-Ablations: components in {both, fdreg, fdagg} (Table 3; without FDAgg the
-weights are FedAvg's data sizes), importance in {fisher, abs_grad}
+Ablations: components in {both, fdreg, fdagg} (Table 3; 'fdreg' keeps
+FDReg and aggregates by FedAvg's data sizes, i.e. weighted_mean; 'fdagg'
+drops FDReg), importance in {fisher, abs_grad}
 (Table 2), stiffness in {diff, local, validation} (Table 4: H = |M(D)-M(U)|,
 M(D) or M(U)), fisher mode in {per_example, batch_mean_squared} (the
 released code squares each batch's mean gradient).
@@ -29,22 +33,24 @@ released code squares each batch's mean gradient).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedrobust.engine.local import (LocalConfig, classification_loss,
-                                    make_batch_plan, poisoned_batch,
-                                    train_steps)
-from fedrobust.engine.round import Method
+from fedrobust.aggregators.base import Aggregator, call_aggregator
+from fedrobust.cohort import Cohort
+from fedrobust.errors import SettingError, check_choice
+from fedrobust.local import (LocalConfig, classification_loss,
+                             make_batch_plan, poisoned_batch, train_steps)
+from fedrobust.methods.base import (MethodSpec, check_cohorts,
+                                    eval_models_of, extras_of, server_step)
 from fedrobust.methods.fisher import (FISHER_MODES, IMPORTANCES,
                                       fisher_diagonal)
-from fedrobust.models import Model
-from fedrobust.tree import (gather_clients, masked_weighted_mean,
-                            scatter_clients, tree_sub)
-from fedrobust.types import ClientOutput
+from fedrobust.settings import Setting
+from fedrobust.tree import gather_clients, scatter_clients, tree_sub
+from fedrobust.types import ClientOutput, Method
 
 COMPONENTS = ('both', 'fdreg', 'fdagg')
 STIFFNESS = ('diff', 'local', 'validation')
@@ -57,87 +63,74 @@ class SDFCClientState(NamedTuple):
   seen: jax.Array       # bool[], participated before
 
 
-def fdagg_weights(totals: jax.Array, mask: jax.Array) -> jax.Array:
-  """Eq. 10: sigmoid(-minmax(T)) normalised over the real clients.
-
-  Args:
-    totals: float[C], T_k = sum_v H_{k,v}.
-    mask: bool[C].
-
-  Returns:
-    float[C] summing to 1 over the mask (0 on masked slots). If all T_k are
-    equal, T^ = 0 for everyone and the weights are uniform.
-  """
-  finite = mask & jnp.isfinite(totals)
-  lo = jnp.min(jnp.where(finite, totals, jnp.inf))
-  hi = jnp.max(jnp.where(finite, totals, -jnp.inf))
-  span = hi - lo
-  normed = jnp.where(span > 0, (totals - lo) / jnp.where(span > 0, span, 1.0),
-                     0.0)
-  score = jnp.where(finite, jax.nn.sigmoid(-normed), 0.0)
-  return score / jnp.maximum(jnp.sum(score), 1e-12)
+class SDFCState(NamedTuple):
+  clients: SDFCClientState   # leaves [K, ...]
+  agg: Any                   # the aggregator's state
 
 
-def sdfc(*, model: Model, local: LocalConfig,
-         optimizer: optax.GradientTransformation, server_lr: float = 1.0,
+def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
+         optimizer: optax.GradientTransformation, aggregator: Aggregator,
+         server_lr: float = 1.0, poison=None, num_clients: int = 0,
          lam: float = 5.0, components: str = 'both',
          importance: str = 'fisher', stiffness: str = 'diff',
-         fisher_mode: str = 'per_example', poison=None, aggregator=None,
-         proximal_mu: float = 0.0) -> Method:
+         fisher_mode: str = 'per_example') -> Method:
   """Builds SDFC. server_data must be the batched validation set U:
   (x uint8[T, B, ...], y int32[T, B], mask bool[T, B]).
 
   Args:
-    model: the architecture.
+    cohorts: one cohort, identity transform (SDFC trains the full model).
     local: static local-training settings.
     optimizer: client optimizer (fresh state each round).
+    aggregator: the server rule; 'fdagg' is the paper's FDAgg (Eq. 10). It
+      gets T_k as `scores`, plus weights, ids and staleness.
     server_lr: server step on the aggregated delta.
+    poison: data poison of malicious clients (also used for their Fisher on
+      D_k: a malicious client's local data is its poisoned data).
+    num_clients: K (unused; uniform factory interface).
     lam: lambda of Eq. 9 (paper 5, released config 1).
-    components: 'both', 'fdreg' or 'fdagg'.
+    components: 'both', 'fdreg' or 'fdagg' (Table 3).
     importance: 'fisher' or 'abs_grad'.
     stiffness: 'diff', 'local' or 'validation'.
     fisher_mode: 'per_example' or 'batch_mean_squared'.
-    poison: data poison of malicious clients (also used for their Fisher on
-      D_k: a malicious client's local data is its poisoned data).
-    aggregator: must be None; SDFC aggregates by Eq. 10.
-    proximal_mu: must be 0.
 
   Returns:
     A Method.
   """
-  if components not in COMPONENTS:
-    raise ValueError(f'--sdfc_components={components!r}; expected one of '
-                     f'{COMPONENTS}')
-  if stiffness not in STIFFNESS:
-    raise ValueError(f'--sdfc_stiffness={stiffness!r}; expected one of '
-                     f'{STIFFNESS}')
-  if importance not in IMPORTANCES or fisher_mode not in FISHER_MODES:
-    raise ValueError(f'--sdfc_importance must be in {IMPORTANCES} and '
-                     f'--sdfc_fisher in {FISHER_MODES}')
-  if lam < 0:
-    raise ValueError(f'--sdfc_lambda must be >= 0, got {lam}')
-  if aggregator is not None:
-    raise ValueError('--method=sdfc aggregates by Fisher discrepancy '
-                     '(Eq. 10); leave --aggregator=weighted_mean')
-  if proximal_mu:
-    raise ValueError('--fedprox_mu is not used by --method=sdfc')
+  del num_clients
+  component = 'method sdfc'
+  check_cohorts('sdfc', cohorts, multi=False)
+  check_choice('components', components, COMPONENTS, component=component)
+  check_choice('stiffness', stiffness, STIFFNESS, component=component)
+  check_choice('importance', importance, IMPORTANCES, component=component)
+  check_choice('fisher_mode', fisher_mode, FISHER_MODES, component=component)
+  if not (lam >= 0 and jnp.isfinite(lam)):
+    raise SettingError('lam', f'must be >= 0 and finite, got {lam}',
+                       component=component)
+  model = cohorts[0].model
   use_reg = components in ('both', 'fdreg') and lam > 0
-  use_agg = components in ('both', 'fdagg')
   base_loss = classification_loss(model.apply)
 
   def init(params, num_clients, key):
     del key
+    params = params[0]
     stack = lambda t: jax.tree.map(
         lambda p: jnp.zeros((num_clients, *p.shape), p.dtype), t)
-    return SDFCClientState(prev_params=stack(params),
-                           stiffness=stack(params),
-                           seen=jnp.zeros((num_clients,), bool))
+    clients = SDFCClientState(prev_params=stack(params),
+                              stiffness=stack(params),
+                              seen=jnp.zeros((num_clients,), bool))
+    return (params,), SDFCState(clients, aggregator.init(params))
 
-  def client_state(method_state, ids):
-    return gather_clients(method_state, ids)
+  def broadcast(state, j):
+    del j
+    return state.params[0]
 
-  def client_update(params, state, data, key, server_data):
-    val_x, val_y, val_mask = server_data
+  def client_state(method_state, j, ids):
+    del j
+    return gather_clients(method_state.clients, ids)
+
+  def client_update(j, params, state, data, key, server_data):
+    del j
+    val_x, val_y, val_mask = server_data['validation']
     anchor = jax.tree.map(lambda a, g: jnp.where(state.seen, a, g),
                           state.prev_params, params)
     reg = jax.tree.map(lambda h: jnp.where(state.seen, h, 0.0),
@@ -178,20 +171,69 @@ def sdfc(*, model: Model, local: LocalConfig,
         client_state=SDFCClientState(new_params, h, jnp.bool_(True)),
         metrics=metrics)
 
-  def server_update(state, ids, outputs, mask, key, server_data):
-    del key, server_data
-    if use_agg:
-      totals = sum(jnp.sum(leaf.reshape(leaf.shape[0], -1), axis=1)
-                   for leaf in jax.tree.leaves(outputs.client_state.stiffness))
-      weights = fdagg_weights(totals, mask)
-    else:
-      w = jnp.where(mask, outputs.weight, 0.0)
-      weights = w / jnp.maximum(jnp.sum(w), 1e-12)
-    update = masked_weighted_mean(outputs.delta, weights, mask)
-    params = jax.tree.map(lambda w, d: w + server_lr * d, state.params,
-                          update)
-    method_state = scatter_clients(state.method_state, ids,
-                                   outputs.client_state, mask)
-    return params, method_state, {'weights': weights}
+  def server_update(state, arrivals, key, server_data):
+    del server_data
+    a = arrivals[0]
+    outputs = a.outputs
+    totals = sum(jnp.sum(leaf.reshape(leaf.shape[0], -1), axis=1)
+                 for leaf in jax.tree.leaves(outputs.client_state.stiffness))
+    update, agg_state, info = call_aggregator(
+        aggregator, outputs.delta, a.mask, state.method_state.agg, key,
+        **extras_of(a, scores=totals))
+    params = server_step(state.params[0], update, server_lr)
+    clients = scatter_clients(state.method_state.clients, a.ids,
+                              outputs.client_state, a.mask)
+    info = dict(info)
+    if 'weights' in info:
+      info['weights'] = (info['weights'],)
+    return (params,), SDFCState(clients, agg_state), info
 
-  return Method('sdfc', init, client_state, client_update, server_update)
+  def eval_models(state):
+    return eval_models_of(cohorts, ((),), state.params)
+
+  return Method('sdfc', init, broadcast, client_state, client_update,
+                server_update, eval_models,
+                provides=frozenset({'weights', 'ids', 'coverage',
+                                    'staleness', 'scores'}))
+
+
+def default_aggregator(settings: dict) -> str:
+  """FDAgg unless the Table 3 ablation drops it."""
+  return 'weighted_mean' if settings.get('components') == 'fdreg' else 'fdagg'
+
+
+def check_aggregator(settings: dict, aggregator: str) -> None:
+  """components='fdagg' / 'fdreg' fix the aggregation; refuse a clash."""
+  components = settings.get('components', 'both')
+  if components == 'fdagg' and aggregator != 'fdagg':
+    raise SettingError('components', "'fdagg' (FDAgg without FDReg) "
+                       f'aggregates by FDAgg; got aggregator {aggregator!r}',
+                       component='method sdfc')
+  if components == 'fdreg' and aggregator == 'fdagg':
+    raise SettingError('components', "'fdreg' (FDReg without FDAgg) "
+                       "cannot use aggregator 'fdagg'",
+                       component='method sdfc')
+
+
+SDFC = MethodSpec(
+    build=sdfc,
+    summary='SDFC: Fisher-calibrated local training (FDReg) and '
+    'aggregation (FDAgg).',
+    settings=(
+        Setting('lambda', 5.0, 'lambda of FDReg (Eq. 9); the released '
+                'config uses 1.', arg='lam'),
+        Setting('components', 'both', 'Table 3 ablation: both, FDReg only '
+                '(weighted-mean aggregation) or FDAgg only.',
+                choices=COMPONENTS),
+        Setting('importance', 'fisher', 'Table 2 ablation: squared or '
+                'absolute gradients.', choices=IMPORTANCES),
+        Setting('stiffness', 'diff', 'Table 4 ablation: H = |M(D)-M(U)|, '
+                'M(D) or M(U).', choices=STIFFNESS),
+        Setting('fisher', 'per_example', 'Fisher estimator; '
+                'batch_mean_squared squares each batch-mean gradient.',
+                choices=FISHER_MODES, arg='fisher_mode'),
+    ),
+    server_data=('validation',),
+    default_aggregator=default_aggregator,
+    validate=check_aggregator,
+    cohorts=False)

@@ -7,6 +7,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedrobust.errors import SettingError
 from fedrobust.models import zoo
 from fedrobust.models.layers import (COMPUTE_DTYPES, CONV_IMPLS,
                                      default_compute_dtype, default_conv_impl)
@@ -23,16 +24,27 @@ MODELS: dict[str, type] = {
 
 
 class Model(NamedTuple):
-  """A model as two pure functions.
+  """A model as pure functions plus what other components need to know.
 
   init: key -> params (one client's pytree).
-  apply: (params, x float[N, H, W, Ch]) -> logits float32[N, classes].
+  apply: (params, x float[N, H, W, Ch], *, train=False, key=None,
+      lora=None) -> logits float32[N, classes]. `train` is True inside local
+      training, `key` feeds train-time randomness (dropout), `lora` is an
+      optional tree of LoRA factors read by the layers at their own paths
+      (see models/layers.py); it needs `lora_native`.
+  roles: role name ('first', 'head') -> '/'-joined module path.
+  width_units: per parameter leaf, per axis, the hidden units the axis
+      indexes (0: not sliced); see models/zoo.py.
+  lora_native: apply() honours `lora` factors (every zoo model does).
   """
   name: str
   init: Callable[[jax.Array], Params]
-  apply: Callable[[Params, jax.Array], jax.Array]
+  apply: Callable[..., jax.Array]
   input_shape: tuple[int, ...]
   num_classes: int
+  roles: dict[str, str] | None = None
+  width_units: Any = None
+  lora_native: bool = False
 
 
 def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
@@ -49,14 +61,15 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
     **kwargs: architecture overrides (e.g. width for 'cnn').
 
   Raises:
-    ValueError: naming `--model` and the valid choices.
+    SettingError: naming `model` (or `conv_impl`) and the valid choices.
   """
   if name not in MODELS:
-    raise ValueError(f'--model={name!r} is not a known model; expected one of '
-                     f'{sorted(MODELS)}')
+    raise SettingError('model', f'{name!r} is not a known model; expected '
+                       f'one of {sorted(MODELS)}')
   conv_impl = conv_impl or default_conv_impl()
   if conv_impl not in CONV_IMPLS:
-    raise ValueError(f'--conv_impl={conv_impl!r}; expected one of {CONV_IMPLS}')
+    raise SettingError('conv_impl', f'got {conv_impl!r}; expected one of '
+                       f'{CONV_IMPLS}')
   module = MODELS[name](num_classes=num_classes, conv_impl=conv_impl,
                         dtype=dtype, **kwargs)
   dummy = jnp.zeros((1, *input_shape), jnp.float32)
@@ -64,10 +77,19 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
   def init(key: jax.Array) -> Params:
     return module.init(key, dummy)['params']
 
-  def apply(params: Params, x: jax.Array) -> jax.Array:
-    return module.apply({'params': params}, x)
+  def apply(params: Params, x: jax.Array, *, train: bool = False,
+            key: jax.Array | None = None, lora: Params | None = None
+            ) -> jax.Array:
+    variables = {'params': params}
+    if lora is not None:
+      variables['lora'] = lora
+    rngs = {'dropout': key} if (train and key is not None) else None
+    return module.apply(variables, x, train=train, rngs=rngs)
 
-  return Model(name, init, apply, tuple(input_shape), num_classes)
+  shapes = jax.eval_shape(init, jax.random.key(0))
+  return Model(name, init, apply, tuple(input_shape), num_classes,
+               roles=dict(module.roles()),
+               width_units=module.width_units(shapes), lora_native=True)
 
 
 __all__ = ['MODELS', 'Model', 'get_model', 'default_conv_impl', 'CONV_IMPLS',

@@ -2,7 +2,15 @@
 
 A convolution's parameters are the same whichever way it is computed, so the
 lowering (`conv_impl`) is a static attribute of the module and never part of
-a checkpoint. On XLA:CPU a convolution inside `lax.scan`, and a convolution
+a checkpoint.
+
+LoRA: every layer here reads optional low-rank factors from the variable
+collection 'lora' at its own module path ({'a': [d_in, r], 'b': [r, d_out]},
+with the alpha/r scale already folded into b by `fedrobust.transforms`).
+`Dense` applies them factored, x W + (x a) b, so the merged d_in x d_out
+matrix is never formed and a frozen W stays shared across vmapped clients;
+`Conv` and the LSTM's recurrent kernel add a b (reshaped) to their small
+kernels instead. A layer without factors in 'lora' is unchanged. On XLA:CPU a convolution inside `lax.scan`, and a convolution
 whose weights are batched by `vmap` (it becomes a grouped convolution), run
 several times slower than a plain matmul over image patches; on GPU/TPU the
 native convolution is the fast one. `default_conv_impl()` picks per backend.
@@ -64,19 +72,51 @@ def _matmul_bwd(res, g):
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+LORA = 'lora'
+
+
+def lora_factors(module: nn.Module) -> tuple[jax.Array, jax.Array] | None:
+  """(a [d_in, r], b [r, d_out]) from the 'lora' collection, or None."""
+  if module.has_variable(LORA, 'a'):
+    return module.get_variable(LORA, 'a'), module.get_variable(LORA, 'b')
+  return None
+
+
+def lora_merged(module: nn.Module, kernel: jax.Array) -> jax.Array:
+  """kernel + (a b) reshaped to the kernel, if the module has factors.
+
+  The kernel is read as a [prod(shape[:-1]), shape[-1]] matrix (a conv's
+  [kh*kw*cin, cout]).
+  """
+  factors = lora_factors(module)
+  if factors is None:
+    return kernel
+  a, b = factors
+  return kernel + (a @ b).reshape(kernel.shape).astype(kernel.dtype)
+
+
 class Dense(nn.Module):
   """flax.linen.Dense's parameters (names, shapes, init) on `matmul`."""
   features: int
   dtype: jnp.dtype | None = None
+  use_bias: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.param('kernel', nn.initializers.lecun_normal(),
                         (x.shape[-1], self.features))
+    factors = lora_factors(self)
+    if self.dtype is not None:
+      x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+    out = matmul(x, kernel)
+    if factors is not None:
+      a, b = (f.astype(kernel.dtype) for f in factors)
+      out = out + matmul(matmul(x, a), b)
+    if not self.use_bias:
+      return out
     bias = self.param('bias', nn.initializers.zeros, (self.features,))
     if self.dtype is not None:
-      x, kernel, bias = (a.astype(self.dtype) for a in (x, kernel, bias))
-    out = matmul(x, kernel)
+      bias = bias.astype(self.dtype)
     return out + bias.reshape((1,) * (out.ndim - 1) + (-1,))
 
 
@@ -204,8 +244,9 @@ class Conv(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     kh, kw = self.kernel_size
-    kernel = self.param('kernel', nn.initializers.lecun_normal(),
-                        (kh, kw, x.shape[-1], self.features))
+    kernel = lora_merged(self, self.param(
+        'kernel', nn.initializers.lecun_normal(),
+        (kh, kw, x.shape[-1], self.features)))
     bias = self.param('bias', nn.initializers.zeros, (self.features,))
     if self.dtype is not None:
       x, kernel, bias = (a.astype(self.dtype) for a in (x, kernel, bias))

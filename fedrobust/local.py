@@ -1,5 +1,8 @@
 """Local training of ONE client as pure functions (batched by the caller).
 
+Methods build their client_update from these; the engine (engine/) batches,
+shards and sequences clients and never appears in a method.
+
 A client's schedule has a static number of steps S = epochs * ceil(N / B),
 where N is the largest client's size. A client with fewer examples gets
 masked steps (params and optimizer state pass through unchanged) and a
@@ -101,10 +104,15 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array,
 
 def classification_loss(apply_fn: Callable, *, image_mean: float = 0.5,
                         image_std: float = 0.5) -> LossFn:
-  """Masked cross-entropy of `apply_fn` on uint8 image batches."""
+  """Masked cross-entropy of `apply_fn` on uint8 image batches.
+
+  apply_fn(params, x, *, train, key) is called with train=True and the
+  step's key (Model.apply's signature; dropout and other train-time
+  behaviour read them).
+  """
   def loss_fn(params, x, y, example_mask, key):
-    del key
-    logits = apply_fn(params, normalize_images(x, image_mean, image_std))
+    logits = apply_fn(params, normalize_images(x, image_mean, image_std),
+                      train=True, key=key)
     loss, acc = masked_cross_entropy(logits, y, example_mask)
     return loss, {'train_loss': loss, 'train_accuracy': acc}
   return loss_fn

@@ -1,0 +1,243 @@
+"""Every setting of a run, declared once; flags and config keys derive.
+
+The core settings (data, engine, threat model, run) are declared here; each
+method declares its own in its registry entry (`fedrobust.methods`), and
+`all_settings()` turns those into flags named `<method>_<name>` (or the
+bare name for a setting several methods share). `main.py` defines one absl
+flag per entry; `train.run` takes a plain dict with one key per entry, and
+`defaults()` fills keys a saved config lacks (older runs).
+
+Library errors name factory arguments (`fedrobust.errors.SettingError`);
+`describe_error` reports them under the flag that set the argument.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fedrobust.aggregators import AGGREGATORS
+from fedrobust.attacks import ATTACKS
+from fedrobust.data import DATASETS, PARTITIONERS
+from fedrobust.engine.delay import DELAY_KINDS
+from fedrobust.engine.execution import STRATEGIES
+from fedrobust.errors import SettingError
+from fedrobust.methods import METHODS
+from fedrobust.models import COMPUTE_DTYPES, CONV_IMPLS, MODELS
+from fedrobust.settings import Setting
+from fedrobust.transforms import TRANSFORMS
+
+S = Setting
+CORE: tuple[Setting, ...] = (
+    # What runs.
+    S('method', 'fedavg', 'Federated method.', choices=tuple(sorted(
+        METHODS))),
+    S('dataset', 'fashion_mnist', 'Dataset (fashion_mnist and idx read IDX '
+      'files; the others read prepared TFDS data from --data_dir).',
+      choices=tuple(sorted(DATASETS))),
+    S('data_dir', None, "Dataset directory (default: the dataset's standard "
+      'location).'),
+    S('model', 'simple_cnn', 'Architecture (one cohort; see --cohorts).',
+      choices=tuple(sorted(MODELS))),
+    S('cohorts', '', 'Several architectures in one federation: '
+      'model:share,... (e.g. simple_cnn:0.5,row_lstm:0.5); clients are '
+      'assigned by a seeded draw, recorded in client_histograms.json. '
+      'Empty: one cohort of --model.'),
+    # Federation and data.
+    S('num_clients', 10, 'Clients in the federation (K).'),
+    S('clients_per_round', 0, 'Clients sampled per round (C); 0 means all. '
+      'With --cohorts each cohort gets its share.'),
+    S('partition', 'dirichlet', 'How training data is split over clients.',
+      choices=tuple(sorted(PARTITIONERS))),
+    S('dirichlet_alpha', 0.5, 'Dirichlet label-skew alpha.'),
+    S('classes_per_client', 2, 'Pathological partition k.'),
+    S('quantity_alpha', 0.5, 'Dirichlet alpha of client sizes '
+      '(quantity_skew).'),
+    S('validation_fraction', 0.0, 'Share of the training split held out as '
+      'the server validation reserve (SDFC: 0.1).'),
+    S('validation_size', 0, 'Clean server validation samples drawn from the '
+      'reserve (SDFC: 256).'),
+    S('public_size', 0, 'Public examples carved from the training split '
+      '(central pretraining, distillation).'),
+    S('local_test_fraction', 0.1, "Share of each client's data kept as its "
+      'local test split (Horus uses 0.2).'),
+    S('max_train_examples', 0, 'Subsample the training split (0: use all).'),
+    # Parameter transform (what clients train and send).
+    S('transform', 'identity', 'What clients train: identity (the full '
+      'model), lora (frozen model + LoRA factors), width (HeteroFL '
+      'submodels).', choices=tuple(sorted(TRANSFORMS))),
+    S('lora_ranks', '8', 'LoRA rank, or comma-separated ranks assigned to '
+      'clients by a seeded draw (heterogeneous ranks).'),
+    S('lora_alpha', 0.0, 'LoRA alpha (scale alpha/r); 0: the largest rank.'),
+    S('lora_targets', 'all', 'Layers that get LoRA: roles (first, head), '
+      'all, or globs over module paths, comma-separated.'),
+    S('width_ratios', '1', 'Width ratio(s) p in (0, 1] of --transform=width, '
+      'comma-separated; assigned to clients by a seeded draw.'),
+    S('width_rolling', False, 'FedRolex: a rolling window of units instead '
+      "of HeteroFL's prefix."),
+    S('pretrain_epochs', 0, 'Epochs of central training on the public split '
+      '(--public_size) before federated training (the frozen base of '
+      '--transform=lora).'),
+    S('client_delay', 'none', 'Semi-asynchronous rounds: none, uniform:MAX '
+      'or exponential:MEAN[:MAX] rounds of delay per update (' +
+      '|'.join(DELAY_KINDS) + ').'),
+    # Local and server optimisation.
+    S('num_rounds', 20, 'Communication rounds.'),
+    S('local_epochs', 1, 'Local epochs per round.'),
+    S('batch_size', 64, 'Local batch size.'),
+    S('local_lr', 0.02, 'Client SGD learning rate.'),
+    S('momentum', 0.9, 'Client SGD momentum.'),
+    S('weight_decay', 1e-5, 'Client SGD weight decay.'),
+    S('server_lr', 1.0, 'Server step on the aggregated update.'),
+    # Threat model and aggregation.
+    S('aggregator', 'auto', "Server aggregation rule; auto: the method's "
+      '(FedAvg: weighted_mean, by client size; SDFC: fdagg).',
+      choices=('auto',) + tuple(sorted(AGGREGATORS))),
+    S('aggregator_kwargs', '{}', 'JSON object of extra aggregator settings, '
+      'e.g. {"m": 5}.'),
+    S('num_byzantine', -1, 'f the aggregator tolerates (-1: the expected '
+      'attackers among the sampled clients).'),
+    S('attack', 'none', 'Attack run by the malicious clients.',
+      choices=('none',) + tuple(sorted(ATTACKS))),
+    S('attack_kwargs', '{}', 'JSON object of extra attack settings, e.g. '
+      '{"direction": "sign"}.'),
+    S('malicious_fraction', 0.0, 'Share of clients that are malicious.'),
+    S('resample_malicious', False, 'Draw the malicious set afresh every '
+      'round instead of fixing it.'),
+    S('attack_start_round', 1, 'First round attackers act (Horus: 20).'),
+    S('attacker_knowledge', 'benign_stats', 'What model-poisoning attackers '
+      'may read.', choices=('benign_stats', 'own_updates_only')),
+    S('backdoor_target_label', 2, 'Backdoor / targeted-flip target class.'),
+    S('trigger_location', 'top_left', 'Where the BadNets/DBA trigger sits.',
+      choices=('top_left', 'top_right', 'bottom_left', 'bottom_right',
+               'center')),
+    S('trigger_size', '2x6', 'Trigger HxW in pixels.'),
+    S('trigger_value', 255, 'Trigger pixel value.'),
+    S('poison_fraction', 0.5, "Share of a malicious client's data that is "
+      'poisoned.'),
+    S('flip_source_label', -1, 'Label flip: -1 flips every label y -> '
+      'classes-1-y; >= 0 flips this class to --backdoor_target_label.'),
+    S('blend_alpha', 0.2, 'Blended-trigger opacity.'),
+    # Run, evaluation, checkpoints.
+    S('eval_every', 1, 'Evaluate every this many rounds.'),
+    S('eval_batch_size', 500, 'Evaluation batch size.'),
+    S('checkpoint_every', 5, 'Checkpoint every this many rounds (and always '
+      'at the end).'),
+    S('checkpoints_keep', 2, 'Checkpoints kept on disk.'),
+    S('seed', 0, 'Seed of the partition, sampling and init.'),
+    S('workdir', None, 'Run directory (default: '
+      'runs/<method>_<dataset>_<model>_s<seed>).'),
+    S('overwrite', False, 'Discard an existing run in --workdir whose config '
+      'differs.'),
+    # Execution (never changes the math beyond float reassociation).
+    S('client_execution', 'auto', 'How clients run: vmap, chunked vmap or '
+      'sequential lax.map; auto picks per backend.',
+      choices=('auto',) + STRATEGIES),
+    S('chunk_size', 0, 'Clients per chunk (chunked); 0 picks min(C, 16).'),
+    S('scan_unroll', 1, 'Unroll factor of the local-step scan (0: fully '
+      'unrolled).'),
+    S('conv_impl', 'auto', 'Convolution lowering; auto picks per backend.',
+      choices=('auto',) + CONV_IMPLS),
+    S('compute_dtype', 'auto', 'Activation/matmul dtype (params and '
+      'optimizer stay float32); auto: bfloat16 on TPU, float32 elsewhere.',
+      choices=('auto',) + COMPUTE_DTYPES),
+    S('num_devices', 0, 'Devices the client axis is sharded over (0: all '
+      'local devices).'),
+    S('cpu_devices', 0, 'XLA devices the host CPU is split into when '
+      'running on CPU (0: auto, up to one per available core: the fewest '
+      'that give the shortest round); clients on different devices train '
+      'side by side.'),
+)
+
+# Changing these on resume is not a config change.
+RESUMABLE_KEYS = frozenset({
+    'num_rounds', 'eval_every', 'eval_batch_size', 'checkpoint_every',
+    'checkpoints_keep', 'workdir', 'overwrite'})
+# Changing these on resume is allowed (same math, other program), but the
+# final parameters then match an uninterrupted run only within float
+# tolerance, not bitwise.
+EXECUTION_KEYS = frozenset({
+    'client_execution', 'chunk_size', 'scan_unroll', 'conv_impl',
+    'num_devices', 'cpu_devices'})
+
+
+def method_flag(method: str, setting: Setting) -> str:
+  return setting.name if setting.shared else f'{method}_{setting.name}'
+
+
+def method_settings() -> dict[str, tuple[str, Setting]]:
+  """flag -> (owning method, Setting) for every method's declared setting.
+
+  A shared setting is owned by the first method declaring it; every method
+  that declares it must declare it alike.
+  """
+  out: dict[str, tuple[str, Setting]] = {}
+  for method, spec in METHODS.items():
+    for setting in spec.settings:
+      flag = method_flag(method, setting)
+      if flag in out and out[flag][1] != setting:
+        raise AssertionError(f'setting {flag} is declared differently by '
+                             f'{out[flag][0]} and {method}')
+      out.setdefault(flag, (method, setting))
+  return out
+
+
+def all_settings() -> dict[str, Setting]:
+  """flag/config key -> Setting, core and method settings together."""
+  out = {s.name: s for s in CORE}
+  for flag, (_, setting) in method_settings().items():
+    if flag in out:
+      raise AssertionError(f'method setting {flag} clashes with a core flag')
+    out[flag] = setting._replace(name=flag)
+  return out
+
+
+def defaults() -> dict[str, Any]:
+  """The default config: one key per flag."""
+  return {name: s.default for name, s in all_settings().items()}
+
+
+def settings_of(method: str, config: dict[str, Any]) -> dict[str, Any]:
+  """{factory kwarg: value} of `method`'s declared settings in `config`."""
+  spec = METHODS[method]
+  return {s.kwarg: config[method_flag(method, s)] for s in spec.settings}
+
+
+def check_foreign_settings(config: dict[str, Any]) -> None:
+  """A setting of another method, changed from its default, is refused."""
+  method = config['method']
+  own = {method_flag(method, s) for s in METHODS[method].settings}
+  for flag, (owner, setting) in method_settings().items():
+    if flag not in own and config.get(flag, setting.default) != \
+        setting.default:
+      raise ValueError(f'--{flag} is a setting of --method={owner}, not '
+                       f'--method={method}')
+
+
+def flag_for(argument: str, component: str, method: str) -> str:
+  """The flag (as typed) that sets library argument `argument`."""
+  for s in METHODS[method].settings:
+    if argument == s.kwarg:
+      return '--' + method_flag(method, s)
+  core = {s.name for s in CORE}
+  if component.startswith('aggregator ') and argument not in core:
+    return f'--aggregator_kwargs {argument}'
+  if component.startswith('attack ') and argument not in core:
+    return f'--attack_kwargs {argument}'
+  aliases = {'ranks': 'lora_ranks', 'targets': 'lora_targets',
+             'alpha': 'lora_alpha', 'ratios': 'width_ratios'}
+  return '--' + aliases.get(argument, argument)
+
+
+def describe_error(err: SettingError, method: str) -> str:
+  """The error as a user reads it: under the flag, with flags in the text.
+
+  'num_byzantine=1' in the message becomes '--num_byzantine=1' when
+  num_byzantine is a flag.
+  """
+  flag = flag_for(err.argument, err.component, method)
+  message = err.message
+  for s in sorted(all_settings(), key=len, reverse=True):
+    message = re.sub(rf'(?<![-\w]){re.escape(s)}=', f'--{s}=', message)
+  where = f' ({err.component})' if err.component else ''
+  return f'{flag}{where}: {message}'

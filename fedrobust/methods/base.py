@@ -1,0 +1,260 @@
+"""What every method shares: the registry entry, the server step, local
+SGD through a parameter transform, and aggregation over cohorts.
+
+A registry entry (`MethodSpec`) declares everything the experiment runner
+needs to build the method without knowing it: its settings, the server-side
+data it reads, and its default aggregator. Every method factory takes the
+same core keywords
+
+  build(*, cohorts, local, optimizer, server_lr, aggregator, poison,
+        num_clients, **settings) -> Method
+
+plus its declared settings by their `kwarg`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedrobust.aggregators.base import Aggregator, call_aggregator
+from fedrobust.cohort import (Cohort, align_stacked, aligned_shapes,
+                              join_roles, split_roles, trim_to)
+from fedrobust.errors import SettingError
+from fedrobust.local import (LocalConfig, classification_loss,
+                             make_batch_plan, train_steps)
+from fedrobust.settings import Setting
+from fedrobust.transforms.base import masked
+from fedrobust.tree import tree_sq_norm, tree_sub
+from fedrobust.types import Arrivals, ClientOutput, EvalModel
+
+Params = Any
+
+# Server-side data a method may ask for (experiments/ builds each once):
+#   'validation': the clean server sample U, batched (x uint8[T, B, ...],
+#                 y int32[T, B], mask bool[T, B]) with the local batch size.
+SERVER_DATA = ('validation',)
+
+
+class MethodSpec(NamedTuple):
+  """A METHODS entry: the factory and what it declares.
+
+  default_aggregator: settings dict (kwarg -> value) -> the aggregator a
+    bare run uses (FedAvg: weighted_mean; SDFC: fdagg).
+  validate: (settings dict, aggregator name) -> None; raises SettingError
+    for combinations the method refuses.
+  cohorts: whether the method accepts several cohorts and non-identity
+    transforms.
+  """
+  build: Callable[..., Any]
+  summary: str
+  settings: tuple[Setting, ...] = ()
+  server_data: tuple[str, ...] = ()
+  default_aggregator: Callable[[dict], str] = lambda s: 'weighted_mean'
+  validate: Callable[[dict, str], None] = lambda s, a: None
+  cohorts: bool = True
+
+
+def server_step(params: Params, update: Params, server_lr: float) -> Params:
+  """w <- w + eta * u (the server's step on the aggregated update)."""
+  return jax.tree.map(lambda w, d: w + server_lr * d, params, update)
+
+
+def extras_of(arrivals: Arrivals, **more) -> dict[str, Any]:
+  """The aggregator keyword extras a cohort's arrivals carry."""
+  return dict(weights=arrivals.outputs.weight, ids=arrivals.ids,
+              coverage=arrivals.outputs.coverage,
+              staleness=arrivals.staleness, **more)
+
+
+def transformed_sgd_update(cohort: Cohort, *, local: LocalConfig,
+                           optimizer: optax.GradientTransformation,
+                           proximal_mu: float = 0.0, poison=None,
+                           extra_loss: Callable | None = None):
+  """client_update body for ONE client of `cohort` running local SGD on the
+  cohort transform's trainable tree.
+
+  The client receives broadcast = (base, trainable, round) and its spec
+  (LoRA rank / width ratio, or () for none), trains trainable * coverage
+  for the plan's S steps (FedProx adds mu/2 ||v - w||^2), and returns the
+  delta masked to its coverage, the coverage, and its example count as
+  weight. `poison` poisons the batches of malicious clients.
+
+  Returns:
+    update(broadcast, spec, data, key) -> ClientOutput (client_state ()).
+  """
+  transform = cohort.transform
+
+  def update(broadcast, spec, data, key):
+    base, trainable, round_number = broadcast
+    spec = None if isinstance(spec, tuple) else spec
+    cov = transform.coverage(trainable, spec, round_number)
+    start = masked(trainable, cov)
+
+    def apply(t, x, *, train=False, key=None):
+      return transform.apply(base, masked(t, cov), x, spec=spec,
+                             train=train, key=key)
+
+    base_loss = classification_loss(apply)
+
+    def loss_fn(p, x, y, mask, k):
+      loss, aux = base_loss(p, x, y, mask, k)
+      if proximal_mu:
+        loss = loss + 0.5 * proximal_mu * tree_sq_norm(tree_sub(p, start))
+      if extra_loss is not None:
+        loss, aux = extra_loss(p, loss, aux)
+      return loss, aux
+
+    plan_key, train_key = jax.random.split(key)
+    plan = make_batch_plan(plan_key, data.count, config=local)
+    new, metrics = train_steps(loss_fn, start, data, plan, train_key,
+                               optimizer=optimizer, config=local,
+                               poison=poison)
+    return ClientOutput(delta=masked(tree_sub(new, start), cov),
+                        weight=data.count.astype(jnp.float32),
+                        client_state=(), metrics=metrics, coverage=cov)
+
+  return update
+
+
+class CohortAggregation(NamedTuple):
+  """How a cohort-aware method aggregates (built once per method).
+
+  With one cohort there is one group: the whole trainable tree. With
+  several, the subtrees of the `share` roles form one group aligned over
+  all cohorts (zero-padded to the largest shape, coverage-masked), and each
+  cohort's remaining subtree is its own group. The aggregator runs once per
+  group, with one state per group.
+  """
+  init: Callable[[tuple[Params, ...]], Any]
+  aggregate: Callable[..., tuple[tuple[Params, ...], Any, dict]]
+
+
+def cohort_aggregation(aggregator: Aggregator, cohorts: tuple[Cohort, ...],
+                       share: tuple[str, ...]) -> CohortAggregation:
+  """Builds the per-group aggregation for `cohorts` (see CohortAggregation).
+
+  aggregate(trainables, arrivals, agg_state, key, **more_extras) ->
+    (updates per cohort, agg_state, info with 'weights' per cohort).
+  """
+  single = len(cohorts) == 1
+  share = () if single else tuple(share)
+
+  def group_templates(trainables):
+    shared = [split_roles(t, c.model, share)[0] if share else {}
+              for t, c in zip(trainables, cohorts)]
+    private = [split_roles(t, c.model, share)[1] if share else t
+               for t, c in zip(trainables, cohorts)]
+    shapes = aligned_shapes(shared) if share else None
+    return shared, private, shapes
+
+  def init(trainables):
+    if single:
+      return aggregator.init(trainables[0])
+    _, private, shapes = group_templates(trainables)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return (aggregator.init(zeros) if share else (),
+            tuple(aggregator.init(p) if jax.tree.leaves(p) else ()
+                  for p in private))
+
+  def aggregate(trainables, arrivals, state, key, **more):
+    if single:
+      a = arrivals[0]
+      update, state, info = call_aggregator(
+          aggregator, a.outputs.delta, a.mask, state, key,
+          **extras_of(a, **more))
+      info = dict(info)
+      weights = info.pop('weights', None)
+      if weights is not None:
+        info['weights'] = (weights,)
+      return (update,), state, info
+    shapes = group_templates(trainables)[2]
+    parts = []
+    for a, c in zip(arrivals, cohorts):
+      d, cv = a.outputs.delta, a.outputs.coverage
+      if share:
+        ds, dp = split_roles(d, c.model, share)
+        cs, cp = (split_roles(cv, c.model, share) if cv is not None
+                  else (None, None))
+      else:
+        ds, dp, cs, cp = {}, d, None, cv
+      parts.append((ds, dp, cs, cp))
+    shared_state, private_states = state
+    info, weights = {}, [None] * len(cohorts)
+    shared_update = None
+    if share:
+      ups, cov = align_stacked([p[0] for p in parts], [p[2] for p in parts],
+                               shapes)
+      cat = lambda name: jnp.concatenate([getattr(a, name) for a in arrivals])
+      extras = dict(
+          weights=jnp.concatenate([a.outputs.weight for a in arrivals]),
+          ids=cat('ids'), coverage=cov, staleness=cat('staleness'), **more)
+      shared_update, shared_state, shared_info = call_aggregator(
+          aggregator, ups, cat('mask'), shared_state,
+          jax.random.fold_in(key, 0), **extras)
+      shared_info = dict(shared_info)
+      w = shared_info.pop('weights', None)
+      if w is not None:
+        sizes = [a.mask.shape[0] for a in arrivals]
+        weights = [w[sum(sizes[:j]):sum(sizes[:j + 1])]
+                   for j in range(len(sizes))]
+      info.update({f'shared/{k}': v for k, v in shared_info.items()})
+    updates, new_private = [], []
+    for j, (a, c) in enumerate(zip(arrivals, cohorts)):
+      private, private_cov = parts[j][1], parts[j][3]
+      if jax.tree.leaves(private):
+        extras = extras_of(a, **more)
+        extras['coverage'] = private_cov
+        up, st, pinfo = call_aggregator(
+            aggregator, private, a.mask, private_states[j],
+            jax.random.fold_in(key, j + 1), **extras)
+        pinfo = dict(pinfo)
+        w = pinfo.pop('weights', None)
+        if w is not None:
+          weights[j] = w
+        info.update({f'{c.name}/{k}': v for k, v in pinfo.items()})
+      else:
+        up, st = {}, private_states[j]
+      new_private.append(st)
+      if share:
+        like = split_roles(trainables[j], c.model, share)[0]
+        up = join_roles(up, trim_to(shared_update, like), c.model)
+      updates.append(up)
+    if all(w is not None for w in weights):
+      info['weights'] = tuple(weights)
+    return tuple(updates), (shared_state, tuple(new_private)), info
+
+  return CohortAggregation(init, aggregate)
+
+
+def check_cohorts(name: str, cohorts: tuple[Cohort, ...], *,
+                  multi: bool) -> None:
+  """Methods that take one cohort of the identity transform say so."""
+  if not multi and (len(cohorts) != 1 or
+                    cohorts[0].transform.name != 'identity'):
+    raise SettingError('cohorts', f'method {name!r} trains one full model: '
+                       'it takes one cohort and the identity transform')
+
+
+def eval_models_of(cohorts: tuple[Cohort, ...], bases, trainables
+                   ) -> tuple[EvalModel, ...]:
+  """The models to evaluate: each cohort's merged global model, and for
+  width-sliced or mixed-rank cohorts each distinct spec's submodel."""
+  out = []
+  for j, c in enumerate(cohorts):
+    label = '' if len(cohorts) == 1 else c.name
+    out.append(EvalModel(label, j, c.transform.merge(bases[j],
+                                                      trainables[j], None)))
+    values = c.transform.spec_values
+    if c.transform.name == 'width' and len(values) > 1 or (
+        c.transform.name == 'width' and values and values[0] != 1.0):
+      for v in values:
+        clients = tuple(i for i in c.members if c.specs[i] == v)
+        out.append(EvalModel(
+            f'{label + "/" if label else ""}w{v:g}', j,
+            c.transform.merge(bases[j], trainables[j], jnp.float32(v)),
+            clients))
+  return tuple(out)
