@@ -183,3 +183,18 @@ def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
   live_steps = jnp.maximum(jnp.sum(plan.step_mask), 1).astype(jnp.float32)
   return params, jax.tree.map(lambda s: s / live_steps, sums)
 
+
+
+def local_sgd(loss_fn: LossFn, params: Params, data: LocalData,
+              key: jax.Array, *, optimizer: optax.GradientTransformation,
+              config: LocalConfig, poison: Any | None = None
+              ) -> tuple[Params, dict[str, jax.Array]]:
+  """A client's local training: a fresh batch plan, then train_steps.
+
+  The key is split into the plan's and the steps' keys (as every method
+  has done since issue 2, so results are unchanged).
+  """
+  plan_key, train_key = jax.random.split(key)
+  plan = make_batch_plan(plan_key, data.count, config=config)
+  return train_steps(loss_fn, params, data, plan, train_key,
+                     optimizer=optimizer, config=config, poison=poison)

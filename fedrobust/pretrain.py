@@ -16,8 +16,7 @@ import numpy as np
 import optax
 
 from fedrobust.errors import SettingError
-from fedrobust.local import (LocalConfig, classification_loss,
-                             make_batch_plan, train_steps)
+from fedrobust.local import LocalConfig, classification_loss, local_sgd
 from fedrobust.types import LocalData
 
 Params = Any
@@ -46,9 +45,7 @@ def pretrain(apply_fn, params: Params, x: np.ndarray, y: np.ndarray, *,
 
   @jax.jit
   def run(params, data, key):
-    plan_key, train_key = jax.random.split(key)
-    plan = make_batch_plan(plan_key, data.count, config=local)
-    return train_steps(classification_loss(apply_fn), params, data, plan,
-                       train_key, optimizer=optimizer, config=local)
+    return local_sgd(classification_loss(apply_fn), params, data, key,
+                     optimizer=optimizer, config=local)
 
   return run(params, data, key)

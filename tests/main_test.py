@@ -15,7 +15,7 @@ import numpy as np
 
 from experiments import config as config_lib
 from experiments import train
-from fedrobust.checkpoint import Checkpointer
+from fedrobust.checkpoint import CheckpointError, Checkpointer
 from fedrobust.data import DataNotFoundError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -373,6 +373,19 @@ class CheckpointerTest(absltest.TestCase):
     self.assertEqual(step, 2)
     np.testing.assert_array_equal(restored['w'], state['w'] * 2)
     self.assertEqual(ckpt.steps(), [2])
+    # The broken step is kept aside, not deleted.
+    self.assertTrue(os.path.isdir(os.path.join(directory, '.broken', '3')))
+    ckpt.close()
+
+  def test_state_of_another_layout_is_refused_not_deleted(self):
+    directory = self.create_tempdir().full_path
+    ckpt = Checkpointer(directory, keep=2)
+    ckpt.save(1, {'w': np.zeros(3, np.float32)})
+    ckpt.close()
+    ckpt = Checkpointer(directory, keep=2)
+    with self.assertRaisesRegex(CheckpointError, 'no checkpoint.*restores'):
+      ckpt.restore_latest(({'w': np.zeros(3, np.float32)},))
+    self.assertTrue(os.path.isdir(os.path.join(directory, '.broken', '1')))
     ckpt.close()
 
 

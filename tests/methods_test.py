@@ -26,7 +26,7 @@ from fedrobust.checkpoint import Checkpointer
 from fedrobust.cohort import single_cohort
 from fedrobust.methods import METHODS, get_method
 from fedrobust.transforms import identity, lora
-from fedrobust.types import Arrivals, ClientOutput, LocalData
+from fedrobust.types import Arrivals, LocalData
 from tests.engine_test import IMAGE, NUM_CLASSES, linear_model, toy_data
 
 K = 4

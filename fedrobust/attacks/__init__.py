@@ -44,7 +44,7 @@ DATA_ATTACKS: dict[str, Callable[..., DataPoison]] = {
 }
 BACKDOORS = ('badnets', 'blended', 'dba')
 
-# Every value --attack accepts.
+# Every value the 'attack' setting accepts.
 ATTACKS = {**MODEL_ATTACKS, **DATA_ATTACKS}
 
 

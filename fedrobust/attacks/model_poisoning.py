@@ -41,7 +41,7 @@ class ModelAttack(NamedTuple):
   """A model-poisoning attack as one pure, jittable function.
 
   Attributes:
-    name: the registry name (the value of --attack).
+    name: the registry name (the value of the 'attack' setting).
     needs_benign: True when the threat model grants the attacker the benign
       updates or their statistics (IPM, LIE, min-max, Fang, ...); False when
       each attacker only uses its own update or noise.

@@ -43,10 +43,9 @@ def _check_num_clients(num_clients: int, n: int) -> None:
 
 def _check_min_size(num_clients: int, min_size: int, n: int) -> None:
   if min_size * num_clients > n:
-    raise ValueError(
-        f'Cannot give each of --num_clients={num_clients} clients '
-        f'{min_size} examples out of {n}.'
-    )
+    raise SettingError(
+        'num_clients', f'cannot give each of num_clients={num_clients} '
+        f'clients {min_size} examples out of {n}.')
 
 
 def _as_parts(chunks: list[np.ndarray]) -> list[np.ndarray]:
@@ -144,11 +143,10 @@ def dirichlet(
     if client_sizes.min() >= min_size:
       chunks = zip(*(np.split(ix, c[:-1]) for ix, c in zip(by_class, cuts)))
       return _as_parts([np.concatenate(c) for c in chunks])
-  raise ValueError(
-      f'Dirichlet partition with --dirichlet_alpha={alpha} left some client '
-      f'with fewer than {min_size} examples in {_MAX_DIRICHLET_TRIES} '
-      'attempts; raise --dirichlet_alpha or lower --num_clients.'
-  )
+  raise SettingError(
+      'dirichlet_alpha', f'dirichlet_alpha={alpha} left some client with '
+      f'fewer than {min_size} examples in {_MAX_DIRICHLET_TRIES} attempts; '
+      'raise dirichlet_alpha or lower num_clients.')
 
 
 def _class_slots(

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.errors import SettingError
+from fedrobust.types import PendingBuffer
 
 DELAY_KINDS = ('none', 'uniform', 'exponential')
 
@@ -94,7 +95,6 @@ def empty_buffer(output_shapes, ids_shape: int, model: DelayModel):
     ids_shape: the cohort's (padded) slots per round.
     model: the delay model.
   """
-  from fedrobust.types import PendingBuffer  # pylint: disable=g-import-not-at-top
   p = ring_rows(model) * ids_shape
   zeros = lambda s: jnp.zeros((p, *s.shape), s.dtype)
   return PendingBuffer(

@@ -308,16 +308,28 @@ def make_round_step(method: Method, config: RoundConfig, *,
                        f'the config says {config.num_devices}')
   cohorts = config.cohort_slots()
   delay = config.delay
+  # Slots can be masked when clients are busy (delays) or pad a cohort to
+  # the device count. A masked slot's output is never used, so under
+  # lax.map (the sequential strategy) it is skipped by lax.cond; under vmap
+  # the cond is a select. Rounds without masked slots keep the plain call.
+  skip_masked = delay is not None or any(
+      config.padded(s.clients_per_round) != s.clients_per_round
+      for s in cohorts)
 
   def client_fn(j):
     def one_client(per_client, shared):
-      client_id, key_data, client_state, is_mal, rank = per_client
+      client_id, key_data, client_state, is_mal, rank, live = per_client
       broadcast, data, server_data = shared
       local = LocalData(data.x, data.y, client_id, data.count[client_id],
                         is_mal, rank)
       key = jax.random.wrap_key_data(key_data)
-      return method.client_update(j, broadcast, client_state, local, key,
-                                  server_data)
+      train = lambda: method.client_update(j, broadcast, client_state, local,
+                                           key, server_data)
+      if not skip_masked:
+        return train()
+      zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                   jax.eval_shape(train))
+      return jax.lax.cond(live, train, zeros)
     return one_client
 
   def round_step(state: ServerState, data: FederatedData,
@@ -351,7 +363,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
           jax.random.fold_in(client_key, i)))(ids)
       client_state = method.client_state(state.method_state, j, ids)
       outputs = run_clients(client_fn(j),
-                            (ids, keys, client_state, is_mal, rank),
+                            (ids, keys, client_state, is_mal, rank, mask),
                             (method.broadcast(state, j), data, server_data),
                             strategy=config.strategy,
                             chunk_size=config.chunk_size, mesh=mesh)

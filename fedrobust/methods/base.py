@@ -24,8 +24,7 @@ from fedrobust.aggregators.base import Aggregator, call_aggregator
 from fedrobust.cohort import (Cohort, align_stacked, aligned_shapes,
                               join_roles, split_roles, trim_to)
 from fedrobust.errors import SettingError
-from fedrobust.local import (LocalConfig, classification_loss,
-                             make_batch_plan, train_steps)
+from fedrobust.local import LocalConfig, classification_loss, local_sgd
 from fedrobust.settings import Setting
 from fedrobust.transforms.base import masked
 from fedrobust.tree import tree_sq_norm, tree_sub
@@ -72,8 +71,7 @@ def extras_of(arrivals: Arrivals, **more) -> dict[str, Any]:
 
 def transformed_sgd_update(cohort: Cohort, *, local: LocalConfig,
                            optimizer: optax.GradientTransformation,
-                           proximal_mu: float = 0.0, poison=None,
-                           extra_loss: Callable | None = None):
+                           proximal_mu: float = 0.0, poison=None):
   """client_update body for ONE client of `cohort` running local SGD on the
   cohort transform's trainable tree.
 
@@ -104,15 +102,10 @@ def transformed_sgd_update(cohort: Cohort, *, local: LocalConfig,
       loss, aux = base_loss(p, x, y, mask, k)
       if proximal_mu:
         loss = loss + 0.5 * proximal_mu * tree_sq_norm(tree_sub(p, start))
-      if extra_loss is not None:
-        loss, aux = extra_loss(p, loss, aux)
       return loss, aux
 
-    plan_key, train_key = jax.random.split(key)
-    plan = make_batch_plan(plan_key, data.count, config=local)
-    new, metrics = train_steps(loss_fn, start, data, plan, train_key,
-                               optimizer=optimizer, config=local,
-                               poison=poison)
+    new, metrics = local_sgd(loss_fn, start, data, key, optimizer=optimizer,
+                             config=local, poison=poison)
     return ClientOutput(delta=masked(tree_sub(new, start), cov),
                         weight=data.count.astype(jnp.float32),
                         client_state=(), metrics=metrics, coverage=cov)

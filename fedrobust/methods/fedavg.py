@@ -11,8 +11,8 @@ Several cohorts (different architectures): each cohort averages its own
 trainable tree; the subtrees of the `share` roles (default: the 'head',
 the classifier) are aggregated across all cohorts after zero-padding to a
 common shape (see fedrobust.cohort), which is how CNN and LSTM clients
-learn together. Settings: FedProx's mu (--fedprox_mu) and the shared
-roles (--cohort_share).
+learn together. Settings: FedProx's `mu` and the shared roles
+(`cohort_share`, declared shared by both methods).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from fedrobust.types import Method
 SHARE = Setting('cohort_share', 'head', 'Roles whose trainable parameters '
                 'all cohorts aggregate together (comma-separated: head, '
                 'first; "none" shares nothing). Used with several '
-                '--cohorts.', arg='share', shared=True)
+                'cohorts.', arg='share', shared=True)
 
 
 class FedAvgState(NamedTuple):

@@ -16,8 +16,8 @@ FDAgg (Eq. 10): T_k = sum_v H_{k,v}; min-max normalised over the round's
 real clients; alpha_k = sigmoid(-T^_k) / sum sigmoid(-T^). The server takes
 w <- w + server_lr * sum_k alpha_k (w_k - w). FDAgg is the registered
 aggregator 'fdagg' (aggregators/mean.py), fed T_k as its `scores`; any
-other rule composes with FDReg the same way (--method=sdfc
---aggregator=median is FDReg training plus the median).
+other rule composes with FDReg the same way (SDFC with the median rule is
+FDReg training plus the median).
 
 Per-client state (w^{t-1}_k, H_k, seen_k) lives in the method state as
 leaves [K, ...] indexed by client id, so it is checkpointed with the
@@ -42,8 +42,8 @@ import optax
 from fedrobust.aggregators.base import Aggregator, call_aggregator
 from fedrobust.cohort import Cohort
 from fedrobust.errors import SettingError, check_choice
-from fedrobust.local import (LocalConfig, classification_loss,
-                             make_batch_plan, poisoned_batch, train_steps)
+from fedrobust.local import (LocalConfig, classification_loss, local_sgd,
+                             poisoned_batch)
 from fedrobust.methods.base import (MethodSpec, check_cohorts,
                                     eval_models_of, extras_of, server_step)
 from fedrobust.methods.fisher import (FISHER_MODES, IMPORTANCES,
@@ -146,11 +146,9 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
         aux = dict(aux, fdreg_penalty=penalty)
       return loss, aux
 
-    plan_key, train_key = jax.random.split(key)
-    plan = make_batch_plan(plan_key, data.count, config=local)
-    new_params, metrics = train_steps(loss_fn, params, data, plan, train_key,
-                                      optimizer=optimizer, config=local,
-                                      poison=poison)
+    new_params, metrics = local_sgd(loss_fn, params, data, key,
+                                    optimizer=optimizer, config=local,
+                                    poison=poison)
     # Fisher on the client's (possibly poisoned) data, one pass in order.
     b, p = local.batch_size, local.steps_per_epoch
     rows = jnp.arange(p * b, dtype=jnp.int32).reshape(p, b)

@@ -2,7 +2,10 @@
 
 A convolution's parameters are the same whichever way it is computed, so the
 lowering (`conv_impl`) is a static attribute of the module and never part of
-a checkpoint.
+a checkpoint. On XLA:CPU a convolution inside `lax.scan`, and a convolution
+whose weights are batched by `vmap` (it becomes a grouped convolution), run
+several times slower than a plain matmul over image patches; on GPU/TPU the
+native convolution is the fast one. `default_conv_impl()` picks per backend.
 
 LoRA: every layer here reads optional low-rank factors from the variable
 collection 'lora' at its own module path ({'a': [d_in, r], 'b': [r, d_out]},
@@ -10,10 +13,7 @@ with the alpha/r scale already folded into b by `fedrobust.transforms`).
 `Dense` applies them factored, x W + (x a) b, so the merged d_in x d_out
 matrix is never formed and a frozen W stays shared across vmapped clients;
 `Conv` and the LSTM's recurrent kernel add a b (reshaped) to their small
-kernels instead. A layer without factors in 'lora' is unchanged. On XLA:CPU a convolution inside `lax.scan`, and a convolution
-whose weights are batched by `vmap` (it becomes a grouped convolution), run
-several times slower than a plain matmul over image patches; on GPU/TPU the
-native convolution is the fast one. `default_conv_impl()` picks per backend.
+kernels instead. A layer without factors in 'lora' is unchanged.
 """
 
 from __future__ import annotations
