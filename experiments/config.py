@@ -128,7 +128,15 @@ CORE: tuple[Setting, ...] = (
     S('workdir', None, 'Run directory (default: '
       'runs/<method>_<dataset>_<model>_s<seed>).'),
     S('overwrite', False, 'Discard an existing run in --workdir whose config '
-      'differs.'),
+      "differs (only the runner's own files are removed), or start over "
+      'when none of its checkpoints is good.'),
+    S('force_overwrite', False, "With --overwrite: remove the runner's files "
+      'even when the workdir also holds other files (those stay).'),
+    S('on_divergence', 'stop', 'When the aggregated global model is not '
+      'finite: stop (exit non-zero, the diverged round is not '
+      "checkpointed), skip_round (drop the round's update and count it), "
+      'or continue (the run then ends as diverged).',
+      choices=('stop', 'skip_round', 'continue')),
     # Execution (never changes the math beyond float reassociation).
     S('client_execution', 'auto', 'How clients run: vmap, chunked vmap or '
       'sequential lax.map; auto picks per backend.',
@@ -152,7 +160,8 @@ CORE: tuple[Setting, ...] = (
 # Changing these on resume is not a config change.
 RESUMABLE_KEYS = frozenset({
     'num_rounds', 'eval_every', 'eval_batch_size', 'checkpoint_every',
-    'checkpoints_keep', 'workdir', 'overwrite'})
+    'checkpoints_keep', 'workdir', 'overwrite', 'force_overwrite',
+    'on_divergence'})
 # Changing these on resume is allowed (same math, other program), but the
 # final parameters then match an uninterrupted run only within float
 # tolerance, not bitwise.

@@ -98,16 +98,23 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  # JAX probes for a TPU on every start and logs the failure at INFO; on a
+  # machine without one that line only alarms a newcomer.
+  py_logging.getLogger('jax._src.xla_bridge').setLevel(py_logging.WARNING)
   if FLAGS.distributed:
     import jax  # pylint: disable=g-import-not-at-top
     jax.distributed.initialize()
   config = build_config()
   try:
-    train.run(config)
-  except (ValueError, train.ConfigMismatchError,
-          train.DataNotFoundError) as err:
+    summary = train.run(config)
+  except train.DivergenceError as err:
+    print(train.format_summary(err.summary))
+    print(f'error: {err}', file=sys.stderr)
+    sys.exit(3)
+  except (ValueError, train.DataNotFoundError) as err:
     print(f'error: {err}', file=sys.stderr)
     sys.exit(2)
+  print(train.format_summary(summary))
 
 
 if __name__ == '__main__':

@@ -29,6 +29,7 @@ import csv
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -267,8 +268,22 @@ def paper_columns(cell: dict[str, str], workdir: str,
   return out
 
 
+SAFE_NAME = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.-]*')
+
+
+def check_name(flag: str, value: str | None) -> None:
+  """Sweep names become file and directory names: letters, digits, '_',
+  '-' and '.', not starting with '.' (no path separators, no '..')."""
+  if value is not None and not SAFE_NAME.fullmatch(value):
+    raise app.UsageError(f'--{flag}={value!r}: use letters, digits, _, - '
+                         "and . only, not starting with '.' (it names files "
+                         'and directories)')
+
+
 def main(argv):
   del argv
+  check_name('name', FLAGS.name)
+  check_name('runs_name', FLAGS.runs_name)
   cells = parse_grid(FLAGS.grid)
   keys = list(cells[0]) if cells and cells[0] else []
   metrics = [m.strip() for m in FLAGS.metrics.split(',') if m.strip()]

@@ -37,18 +37,21 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments import config as config_lib
+from experiments import workdir as workdir_lib
 from experiments.devices import configure_cpu_devices
+from experiments.workdir import ConfigMismatchError, WorkdirError
 from experiments.threat import build_threat
 from fedrobust import aggregators
-from fedrobust.checkpoint import Checkpointer
+from fedrobust.checkpoint import CheckpointError, Checkpointer
 from fedrobust.cohort import Cohort
-from fedrobust.data import (DataNotFoundError, build_federated_setup,
-                            load_dataset, subsample)
+from fedrobust.data import (DEFAULT_FASHION_MNIST_DIR, DataNotFoundError,
+                            build_federated_setup, load_dataset, subsample)
 from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               client_mesh, default_strategy, evaluate,
                               evaluate_clients, init_server_state,
                               make_round_step, parse_delay, sgd)
 from fedrobust.engine.evaluate import pad_to_batches
+from fedrobust.engine.round import all_finite
 from fedrobust.errors import SettingError
 from fedrobust.methods import METHODS
 from fedrobust.models import (default_compute_dtype, default_conv_impl,
@@ -61,10 +64,6 @@ EXECUTION_KEYS = config_lib.EXECUTION_KEYS
 
 PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'chex',
             'numpy', 'tensorflow-datasets', 'absl-py')
-
-
-class ConfigMismatchError(ValueError):
-  """A resume whose config differs from the run in the workdir."""
 
 
 class FlagError(ValueError):
@@ -107,6 +106,18 @@ def validate(config: dict[str, Any]) -> None:
     raise ValueError(f"--clients_per_round={config['clients_per_round']} "
                      f"exceeds --num_clients={config['num_clients']}")
   finite = lambda v: isinstance(v, (int, float)) and np.isfinite(v)
+  for key, value in config.items():
+    if isinstance(value, float) and not np.isfinite(value):
+      raise ValueError(f'--{key} must be a finite number, got {value}')
+  for key in ('validation_fraction', 'local_test_fraction',
+              'malicious_fraction'):
+    if not 0.0 <= config[key] < 1.0:
+      raise ValueError(f'--{key} must be in [0, 1), got {config[key]}')
+  for key in ('dirichlet_alpha', 'quantity_alpha'):
+    if not config[key] > 0:
+      raise ValueError(f'--{key} must be > 0, got {config[key]}')
+  if config['force_overwrite'] and not config['overwrite']:
+    raise ValueError('--force_overwrite only applies with --overwrite')
   if not (finite(config['local_lr']) and config['local_lr'] > 0):
     raise ValueError(f"--local_lr must be a finite number > 0, got "
                      f"{config['local_lr']}")
@@ -274,11 +285,6 @@ def upload_bytes(cohort: Cohort, template: Any) -> dict[str, int]:
 # ----------------------------------------------------------------------------
 
 
-def _json_number(value: Any) -> float | None:
-  value = float(value)
-  return value if np.isfinite(value) else None
-
-
 def detection_rates(counts: dict[str, Any], prefix: str) -> dict[str, Any]:
   """Precision, recall and FPR of 'excluded' vs 'malicious' (NaN if 0/0)."""
   tp, fp, fn, tn = (float(counts[k]) for k in ('det_tp', 'det_fp', 'det_fn',
@@ -311,69 +317,6 @@ def device_info() -> dict[str, Any]:
   return {'backend': jax.default_backend(), 'device_kind':
           devices[0].device_kind, 'device_count': len(devices),
           'process_count': jax.process_count()}
-
-
-def _write_json(path: str, obj: Any) -> None:
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
-def prepare_workdir(config: dict[str, Any]) -> None:
-  """Creates the workdir, or checks that a resume keeps the config."""
-  workdir = config['workdir']
-  path = os.path.join(workdir, 'config.json')
-  defaults = config_lib.defaults()
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    differ = sorted(k for k in set(saved) | set(config)
-                    if k not in RESUMABLE_KEYS | EXECUTION_KEYS
-                    and saved.get(k, defaults.get(k)) !=
-                    config.get(k, defaults.get(k)))
-    if differ and not config['overwrite']:
-      details = ', '.join(f'--{k} (was {saved.get(k)!r}, now '
-                          f'{config.get(k)!r})' for k in differ)
-      raise ConfigMismatchError(
-          f'{workdir} holds a run with a different config: {details}. '
-          'Pass --overwrite to discard it, or use another --workdir.')
-    if differ:
-      logging.warning('--overwrite: discarding the run in %s', workdir)
-      shutil.rmtree(workdir)
-    else:
-      changed = sorted(k for k in EXECUTION_KEYS
-                       if saved.get(k) != config.get(k))
-      if changed:
-        logging.warning('resuming with changed execution settings %s: '
-                        'results match within float tolerance, not '
-                        'bitwise', changed)
-  os.makedirs(workdir, exist_ok=True)
-  _write_json(path, {k: v for k, v in config.items() if k != 'overwrite'})
-
-
-def truncate_metrics(path: str, last_round: int) -> list[dict[str, Any]]:
-  """Drops metric rows past the restored round (they will be recomputed)."""
-  rows = []
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        line = line.strip()
-        if not line:
-          continue
-        try:
-          row = json.loads(line)
-        except json.JSONDecodeError:   # a line cut by a kill
-          continue
-        if row['round'] <= last_round:
-          rows.append(row)
-  with open(path + '.tmp', 'w') as f:
-    for row in rows:
-      f.write(json.dumps(row) + '\n')
-  os.replace(path + '.tmp', path)
-  return rows
 
 
 def plot_curves(path: str, rows: list[dict[str, Any]], title: str) -> None:
@@ -605,13 +548,25 @@ HEADLINE = ('test_accuracy', 'local_accuracy', 'attack_success_rate',
 # ----------------------------------------------------------------------------
 
 
+class DivergenceError(RuntimeError):
+  """The global model became non-finite and --on_divergence=stop (or the
+  run ended on a non-finite model)."""
+
+  def __init__(self, message: str, summary: dict[str, Any]):
+    super().__init__(message)
+    self.summary = summary
+
+
 def run(config: dict[str, Any]) -> dict[str, Any]:
   """Runs (or resumes) one experiment; returns the summary dict.
 
   Raises:
-    FlagError, ValueError, ConfigMismatchError, DataNotFoundError: bad
-      settings or data, each naming the flag or path; nothing is written
-      to the workdir before every check has passed.
+    FlagError, ValueError, ConfigMismatchError, WorkdirError,
+      DataNotFoundError: bad settings, data or workdir, each naming the
+      flag or path; nothing is written to the workdir before every check
+      on settings and data has passed.
+    DivergenceError: the model diverged (see --on_divergence); the
+      summary is written first, with status 'diverged'.
   """
   try:
     return _run(config)
@@ -622,19 +577,31 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(config: dict[str, Any]) -> dict[str, Any]:
+  started = time.perf_counter()
   config = resolve(config)
   validate(config)
   # Before anything starts JAX's CPU backend (a no-op once it has).
   configure_cpu_devices(config['cpu_devices'], config['clients_per_round'])
   program = build(config)
-  setup, cohorts, method = program.setup, program.cohorts, program.method
-
-  prepare_workdir(config)
   workdir = config['workdir']
+  if os.path.lexists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirError(f'--workdir={workdir} exists and is not a directory')
+  os.makedirs(workdir, exist_ok=True)
+  with workdir_lib.Lock(workdir):
+    return _run_locked(config, program, started)
+
+
+def _run_locked(config: dict[str, Any], program: Program,
+                started: float) -> dict[str, Any]:
+  setup, cohorts, method = program.setup, program.cohorts, program.method
+  workdir = config['workdir']
+  workdir_lib.prepare(config, defaults=config_lib.defaults(),
+                      resumable=RESUMABLE_KEYS, execution=EXECUTION_KEYS,
+                      normalize=normalize)
   cohort_of = np.zeros(config['num_clients'], int)
   for j, c in enumerate(cohorts):
     cohort_of[list(c.members)] = j
-  _write_json(os.path.join(workdir, 'client_histograms.json'), {
+  workdir_lib.write_json(os.path.join(workdir, 'client_histograms.json'), {
       'num_classes': setup.num_classes,
       'train_counts': setup.train.count.tolist(),
       'histograms': setup.histograms.tolist(),
@@ -647,8 +614,10 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
   put = functools.partial(jax.device_put, device=replicated)
   data = put(jax.tree.map(jnp.asarray, setup.train))
   server_data = put(program.server_data)
+  on_divergence = config['on_divergence']
   round_step = make_round_step(method, program.round_config, mesh=mesh,
-                               threat=program.threat.threat)
+                               threat=program.threat.threat,
+                               skip_nonfinite=on_divergence == 'skip_round')
 
   init_key = jax.random.key(config['seed'])
   fresh = tuple(c.model.init(init_key if j == 0 else
@@ -663,11 +632,22 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
   template = jax.eval_shape(initial_state, fresh)
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
                               keep=config['checkpoints_keep'])
-  restored = checkpointer.restore_latest(template)
+  try:
+    restored = checkpointer.restore_latest(template)
+  except CheckpointError as err:
+    if not config['overwrite']:
+      raise
+    logging.warning('%s; --overwrite: starting over from round 0', err)
+    restored = None
   pretrain_info = {}
   if restored is not None:
     state = put(restored[1])
     logging.info('resumed from round %d in %s', restored[0], workdir)
+    if restored[0] > config['num_rounds']:
+      raise WorkdirError(
+          f"--num_rounds={config['num_rounds']} is below round "
+          f'{restored[0]}, where the run in {workdir} already is; pass '
+          f'--num_rounds >= {restored[0]} (a run is never cut back)')
   else:
     if config['pretrain_epochs']:
       pretrained = []
@@ -692,7 +672,12 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
     state = put(initial_state(fresh))
   start_round = int(state.round)
   metrics_path = os.path.join(workdir, 'metrics.jsonl')
-  rows = truncate_metrics(metrics_path, start_round)
+  missing_metrics = start_round > 0 and not os.path.lexists(metrics_path)
+  if missing_metrics:
+    logging.warning('%s is missing although the run is at round %d: rounds '
+                    '1..%d have no metrics rows (summary.json records '
+                    'this)', metrics_path, start_round, start_round)
+  rows = workdir_lib.read_metrics(metrics_path, start_round)
 
   step_fn = jax.jit(round_step, donate_argnums=0)
   t0 = time.perf_counter()
@@ -715,12 +700,22 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
   detection_totals = {k: (rows[-1].get('cumulative_' + k, 0.0) if rows
                           else 0.0)
                       for k in ('det_tp', 'det_fp', 'det_fn', 'det_tn')}
+  skipped = list(rows[-1].get('skipped_rounds', [])) if rows else []
+  diverged_at = None
   threat = program.threat
   for rnd in range(start_round + 1, num_rounds + 1):
     t0 = time.perf_counter()
     state, metrics = compiled(state, data, server_data)
     metrics = jax.device_get(metrics)
     seconds = time.perf_counter() - t0
+    nonfinite = bool(metrics['nonfinite_model'])
+    if nonfinite and on_divergence == 'skip_round':
+      skipped.append(rnd)
+      logging.warning('round %d: the aggregated model is not finite; the '
+                      "round's update is dropped (--on_divergence="
+                      'skip_round, %d skipped so far)', rnd, len(skipped))
+    elif nonfinite and diverged_at is None:
+      diverged_at = rnd
     if 'det_tp' in metrics and threat.threat is not None:
       for key in detection_totals:
         detection_totals[key] += float(metrics[key])
@@ -736,30 +731,35 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
     if 'staleness_mean' in metrics:
       line += (f" arrivals {int(metrics['arrivals'])} staleness "
                f"{float(metrics['staleness_mean']):.2f}")
-    if rnd % config['eval_every'] == 0 or rnd == num_rounds:
+    stop = nonfinite and on_divergence == 'stop'
+    if rnd % config['eval_every'] == 0 or rnd == num_rounds or stop:
       row = {'round': rnd}
       row.update(evaluator(method.eval_models(state)))
       row.update(round_seconds=seconds, samples_per_second=samples / seconds)
-      row.update({k: _json_number(v) for k, v in metrics.items()})
+      row.update({k: float(v) for k, v in metrics.items()})
+      if skipped:
+        row['skipped_rounds'] = list(skipped)
       rows.append(row)
-      with open(metrics_path, 'a') as f:
-        f.write(json.dumps(row) + '\n')
-        f.flush()
-        os.fsync(f.fileno())
-      line += f" test_acc {row['test_accuracy']:.4f}"
+      workdir_lib.append_row(metrics_path, row)
+      line += f" test_acc {_fmt(row['test_accuracy'])}"
       if row.get('local_accuracy') is not None:
-        line += f" local_acc {row['local_accuracy']:.4f}"
+        line += f" local_acc {_fmt(row['local_accuracy'])}"
       if 'attack_success_rate' in row:
-        line += f" asr {row['attack_success_rate']:.4f}"
+        line += f" asr {_fmt(row['attack_success_rate'])}"
       for key in sorted(row):
         if key.startswith('test_accuracy/'):
-          line += f" {key.split('/', 1)[1]} {row[key]:.4f}"
+          line += f" {key.split('/', 1)[1]} {_fmt(row[key])}"
     eta = np.mean(round_times[-5:]) * (num_rounds - rnd)
     logging.info('%s eta %.0fs', line, eta)
+    if stop:
+      break                           # the diverged state is not saved
     if rnd % config['checkpoint_every'] == 0 or rnd == num_rounds:
       checkpointer.save(rnd, state)
   checkpointer.close()
 
+  final_finite = bool(jax.device_get(all_finite(state.params)))
+  status = 'completed' if final_finite and not (
+      diverged_at and on_divergence == 'stop') else 'diverged'
   final = rows[-1] if rows else {}
   last5 = {}
   keys = sorted({k for r in rows[-5:] for k in r
@@ -770,11 +770,15 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
       last5[key] = float(np.mean(values))
   template_trainables = jax.eval_shape(lambda s: s.params, state)
   summary = {
+      'status': status,
       'final': final,
       # The SDFC paper reports A, R and V as means over the last 5 rounds.
       'final_mean_last5': last5,
       'rounds_completed': int(state.round),
-      'config': {k: v for k, v in config.items() if k != 'overwrite'},
+      'skipped_rounds': skipped,
+      'diverged_round': diverged_at,
+      'config': {k: v for k, v in config.items()
+                 if k not in ('overwrite', 'force_overwrite')},
       'resolved': {k: v for k, v in resolved.items() if k != 'backend'},
       'cohorts': {c.name: {'model': c.model.name, 'clients': len(c.members),
                            'clients_per_round': c.clients_per_round,
@@ -790,17 +794,73 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
       'flops_per_round': flops_per_round,
       'mean_round_seconds': (float(np.mean(round_times)) if round_times
                              else None),
+      'wall_seconds': time.perf_counter() - started,
+      'metrics_missing_before_round': start_round + 1 if missing_metrics
+                                      else None,
       'packages': package_versions(),
       'device': device_info(),
       'params_sha256': params_sha256(state.params),
+      'files': {'summary': os.path.abspath(os.path.join(workdir,
+                                                        'summary.json')),
+                'curves': os.path.abspath(os.path.join(workdir,
+                                                       'curves.png')),
+                'metrics': os.path.abspath(metrics_path)},
   }
-  _write_json(os.path.join(workdir, 'summary.json'), summary)
+  workdir_lib.write_json(os.path.join(workdir, 'summary.json'), summary)
   if rows:
     plot_curves(os.path.join(workdir, 'curves.png'), rows,
                 f"{config['method']} / {config['dataset']} / "
                 f"{config['cohorts'] or config['model']}")
+  if status == 'diverged':
+    where = (f'round {diverged_at}' if diverged_at else
+             f'round {int(state.round)}')
+    raise DivergenceError(
+        f'the global model is not finite (NaN or Inf) after {where}'
+        + (': the run stopped there; its last checkpoint is intact'
+           if on_divergence == 'stop' else '') +
+        '. Lower the learning rates, pick a robust --aggregator, or pass '
+        '--on_divergence=skip_round to drop such rounds. Summary: '
+        f"{summary['files']['summary']}", summary)
   return summary
 
 
-__all__ = ['ConfigMismatchError', 'DataNotFoundError', 'EXECUTION_KEYS',
-           'FlagError', 'RESUMABLE_KEYS', 'run']
+def _fmt(value: float | None) -> str:
+  return 'nan' if value is None or not np.isfinite(value) else f'{value:.4f}'
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  """The few lines a run ends with: outcome, metrics, time, files."""
+  final, last5 = summary['final'], summary['final_mean_last5']
+  names = (('test_accuracy', 'A (global test acc)'),
+           ('local_accuracy', 'local test acc'),
+           ('attack_success_rate', 'ASR'),
+           ('backdoor_failure_rate', 'R = 1 - ASR'),
+           ('tradeoff_v', 'V = (A + R) / 2'))
+  lines = [f"run {summary['status']}: {summary['rounds_completed']} rounds "
+           f"in {summary['wall_seconds']:.0f} s"]
+  if summary['skipped_rounds']:
+    lines[0] += (f" ({len(summary['skipped_rounds'])} skipped as "
+                 f"non-finite: {summary['skipped_rounds']})")
+  for key, label in names:
+    if key in final:
+      lines.append(f'  {label:<22} final {_fmt(final.get(key))}   last-5 '
+                   f'mean {_fmt(last5.get(key))}')
+  files = summary['files']
+  lines.append(f"  summary  {files['summary']}")
+  lines.append(f"  curves   {files['curves']}")
+  return '\n'.join(lines)
+
+
+def normalize(config: dict[str, Any]) -> dict[str, Any]:
+  """Values that mean the same compare equal (an explicit default
+  --data_dir and none at all)."""
+  config = dict(config)
+  if config.get('dataset') == 'fashion_mnist' and not config.get(
+      'data_dir'):
+    config['data_dir'] = DEFAULT_FASHION_MNIST_DIR
+  return config
+
+
+__all__ = ['ConfigMismatchError', 'DataNotFoundError', 'DivergenceError',
+           'EXECUTION_KEYS', 'FlagError', 'RESUMABLE_KEYS', 'WorkdirError',
+           'format_summary', 'run']

@@ -2,7 +2,10 @@
 
 Saves: orbax writes each step into a temporary directory and renames it
 into place when complete, so a kill mid-save leaves no step that looks
-finished.
+finished. After the step is in place, a content hash of the whole state
+(every leaf's dtype, shape and bytes, in tree order) is written beside it
+as `.integrity/<step>.sha256`, atomically. A kill between the two leaves a
+step without a hash, which counts as unverified.
 
 Deletes: orbax's default deletion removes an old step's files in place; a
 kill in the middle leaves a half-deleted step that is still listed and then
@@ -10,31 +13,67 @@ fails to restore. Here old steps are first renamed into a trash directory
 (`todelete_subdir`, one atomic rename), and the trash is emptied afterwards
 and at every start.
 
-Start-up: `restore_latest` tries the newest step first and falls back to
-older ones if a step does not restore. A step that fails is never deleted:
-it is moved aside to `.broken/<step>` and named in the log. If steps exist
-but none restores (a corrupt run, or one written by a version whose state
-had another structure), `CheckpointError` is raised instead of silently
-starting over.
+Start-up: `restore_latest` tries the newest step first. A step that fails
+to restore, has no hash, or whose restored content does not match its hash
+(a flipped bit anywhere in its files) is never deleted: it is moved aside
+to `.broken/<step>` and named in the log, and the next older step is
+tried. If steps exist but none is good, `CheckpointError` is raised
+instead of silently starting over.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
 PyTree = Any
 _TRASH = '.trash'
 _BROKEN = '.broken'
+_INTEGRITY = '.integrity'
 
 
 class CheckpointError(ValueError):
   """Checkpoints exist but none restores into the expected state."""
+
+
+def state_digest(tree: PyTree) -> str:
+  """sha256 over every leaf's dtype, shape and bytes, in tree order."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(jax.device_get(tree)):
+    leaf = np.asarray(leaf)
+    digest.update(f'{leaf.dtype.str}{leaf.shape};'.encode())
+    digest.update(np.ascontiguousarray(leaf).tobytes())
+  return digest.hexdigest()
+
+
+def write_atomic(path: str, data: bytes) -> None:
+  """Writes `data` to `path` through a fresh temporary file and a rename.
+
+  The temporary file is created with O_EXCL | O_NOFOLLOW, so a symlink (or
+  a stale file) planted at `path + '.tmp'` is removed first and never
+  followed; the rename replaces `path` itself, even if it is a symlink.
+  """
+  tmp = path + '.tmp'
+  if os.path.lexists(tmp):
+    os.unlink(tmp)
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL |
+               getattr(os, 'O_NOFOLLOW', 0), 0o644)
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+  except BaseException:
+    os.unlink(tmp)
+    raise
+  os.replace(tmp, path)
 
 
 class Checkpointer:
@@ -53,16 +92,25 @@ class Checkpointer:
   def _empty_trash(self) -> None:
     shutil.rmtree(os.path.join(self.directory, _TRASH), ignore_errors=True)
 
+  def _hash_path(self, step: int) -> str:
+    return os.path.join(self.directory, _INTEGRITY, f'{step}.sha256')
+
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
   def save(self, step: int, state: PyTree) -> None:
     self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
     self._manager.wait_until_finished()
+    os.makedirs(os.path.join(self.directory, _INTEGRITY), exist_ok=True)
+    write_atomic(self._hash_path(step), state_digest(state).encode())
     self._empty_trash()
+    kept = {str(s) for s in self.steps()}
+    for name in os.listdir(os.path.join(self.directory, _INTEGRITY)):
+      if name.split('.')[0] not in kept:      # hashes of retired steps
+        os.unlink(os.path.join(self.directory, _INTEGRITY, name))
 
   def _set_aside(self, step: int) -> str:
-    """Moves a step that does not restore to .broken/ (kept, not deleted)."""
+    """Moves a bad step (and its hash) to .broken/ (kept, not deleted)."""
     path = os.path.join(self.directory, str(step))
     broken = os.path.join(self.directory, _BROKEN)
     os.makedirs(broken, exist_ok=True)
@@ -73,17 +121,34 @@ class Checkpointer:
       target = os.path.join(broken, f'{step}.{suffix}')
     if os.path.exists(path):
       os.replace(path, target)
+    if os.path.exists(self._hash_path(step)):
+      os.replace(self._hash_path(step), target + '.sha256')
     self._manager.reload()
     return target
 
+  def _verified(self, step: int, state: PyTree) -> str | None:
+    """None if `state` matches the step's recorded hash, else the reason."""
+    try:
+      with open(self._hash_path(step)) as f:
+        expected = f.read().strip()
+    except FileNotFoundError:
+      return 'no integrity hash (saved by an older version or cut short)'
+    except (OSError, ValueError) as err:
+      return f'unreadable integrity hash ({type(err).__name__})'
+    actual = state_digest(state)
+    if actual != expected:
+      return (f'content hash {actual[:12]}... differs from the recorded '
+              f'{expected[:12]}...')
+    return None
+
   def restore_latest(self, like: PyTree) -> tuple[int, PyTree] | None:
-    """(step, state) of the newest step that restores, or None if none exist.
+    """(step, state) of the newest good step, or None if none exist.
 
     Args:
       like: a pytree with the target's structure, shapes and dtypes.
 
     Raises:
-      CheckpointError: steps exist but none restores.
+      CheckpointError: steps exist but none is good.
     """
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     failed = []
@@ -91,20 +156,24 @@ class Checkpointer:
       try:
         state = self._manager.restore(
             step, args=ocp.args.StandardRestore(abstract))
+        reason = self._verified(step, state)
       except Exception as err:  # pylint: disable=broad-except
-        moved = self._set_aside(step)
-        logging.warning('checkpoint step %d does not restore (%s: %s); '
-                        'moved aside to %s', step, type(err).__name__,
-                        str(err).split('\n')[0][:300], moved)
-        failed.append((step, moved))
-        continue
-      return step, state
+        reason = (f'does not restore ({type(err).__name__}: '
+                  f'{str(err).splitlines()[0][:300] if str(err) else ""})')
+      if reason is None:
+        return step, state
+      moved = self._set_aside(step)
+      logging.warning('checkpoint step %d in %s is bad: %s; moved aside to '
+                      '%s, trying the previous step', step, self.directory,
+                      reason, moved)
+      failed.append(step)
     if failed:
       raise CheckpointError(
-          f'no checkpoint in {self.directory} restores (tried steps '
-          f'{[s for s, _ in failed]}, now under {_BROKEN}/): the run is '
-          'corrupt or was written by a version with another state layout. '
-          'Nothing was deleted; use another workdir to start over.')
+          f'no checkpoint in {self.directory} is good (steps {failed} failed '
+          f'to restore or verify; they are kept under {_BROKEN}/): the run '
+          'is corrupt or was written by a version with another state '
+          'layout. Nothing was deleted; use another workdir, or overwrite '
+          'the run, to start over.')
     return None
 
   def close(self) -> None:

@@ -377,7 +377,33 @@ class IdxTest(parameterized.TestCase):
     np.testing.assert_array_equal(ds.train_y, ty)
     np.testing.assert_array_equal(ds.test_x[..., 0], vx)
     np.testing.assert_array_equal(ds.test_y, vy)
-    self.assertEqual(ds.num_classes, max(ty.max(), vy.max()) + 1)
+    self.assertEqual(ds.num_classes, 10)      # declared, not inferred
+
+  def test_out_of_range_labels_are_refused(self):
+    # Before: a label of 10 or 200 silently made num_classes 11 or 201.
+    for bad in (10, 200):
+      directory = self.create_tempdir().full_path
+      _write_idx_dir(directory)
+      with gzip.open(os.path.join(directory,
+                                  'train-labels-idx1-ubyte.gz'), 'wb') as f:
+        f.write(_idx_bytes(np.array([1, 2, bad, 3, 4], np.uint8)))
+      with self.assertRaisesRegex(ValueError,
+                                  rf'train labels lie outside \[0, 10\).*'
+                                  rf'{bad}'):
+        sources.load_idx(directory)
+
+  def test_truncated_gzip_names_the_file(self):
+    directory = self.create_tempdir().full_path
+    _write_idx_dir(directory)
+    path = os.path.join(directory, 't10k-images-idx3-ubyte.gz')
+    with open(path, 'rb') as f:
+      data = f.read()
+    for broken in (data[:len(data) // 2], data[:12] + b'\x00' * 40):
+      with open(path, 'wb') as f:
+        f.write(broken)
+      with self.assertRaisesRegex(ValueError, f'{path}: corrupt or '
+                                  'truncated gzip'):
+        sources.load_idx(directory)
 
   def test_parse_idx_multibyte_big_endian(self):
     array = np.arange(-6, 6, dtype=np.int32).reshape(3, 4) * 1000

@@ -383,7 +383,7 @@ class CheckpointerTest(absltest.TestCase):
     ckpt.save(1, {'w': np.zeros(3, np.float32)})
     ckpt.close()
     ckpt = Checkpointer(directory, keep=2)
-    with self.assertRaisesRegex(CheckpointError, 'no checkpoint.*restores'):
+    with self.assertRaisesRegex(CheckpointError, 'no checkpoint.*is good'):
       ckpt.restore_latest(({'w': np.zeros(3, np.float32)},))
     self.assertTrue(os.path.isdir(os.path.join(directory, '.broken', '1')))
     ckpt.close()

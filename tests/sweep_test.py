@@ -60,3 +60,12 @@ def test_paper_columns_read_the_runs_own_config(tmp_path):
   out = sweep.paper_columns({'defense': 'SDFC'}, str(workdir), AXES, 'SDFC',
                             rows, ['test_accuracy'])
   assert out['paper_test_accuracy'] is None      # no such paper setting
+
+
+def test_sweep_names_are_safe_file_names():
+  from absl import app  # pylint: disable=g-import-not-at-top
+  for good in ('backdoor_fmnist', 'sdfc-table5.v2'):
+    sweep.check_name('name', good)
+  for bad in ('../evil', 'a/b', '.hidden', 'x y', '', 'x\n'):
+    with pytest.raises(app.UsageError, match='--name'):
+      sweep.check_name('name', bad)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -125,7 +126,12 @@ def read_idx(path: str) -> np.ndarray:
   with open(path, 'rb') as f:
     data = f.read()
   if data[:2] == _GZIP_MAGIC:
-    data = gzip.decompress(data)
+    try:
+      data = gzip.decompress(data)
+    except (EOFError, OSError, zlib.error) as err:
+      raise ValueError(f'{path}: corrupt or truncated gzip file '
+                       f'({type(err).__name__}: {err}); download or copy it '
+                       'again') from None
   return parse_idx(data, source=path)
 
 
@@ -193,7 +199,28 @@ def _check_labels(labels: np.ndarray, path: str) -> np.ndarray:
   return labels.astype(np.int32)
 
 
-def load_idx(data_dir: str, *, name: str = 'idx') -> Dataset:
+# MNIST-style IDX datasets (MNIST, Fashion-MNIST, KMNIST) have ten classes.
+IDX_NUM_CLASSES = 10
+
+
+def check_labels(dataset: Dataset) -> Dataset:
+  """Every label must lie in [0, num_classes) of the dataset's declared
+  class count; ValueError naming the split and the offending values."""
+  for split in ('train', 'test'):
+    y = getattr(dataset, f'{split}_y')
+    bad = (y < 0) | (y >= dataset.num_classes)
+    if np.any(bad):
+      values = np.unique(y[bad])
+      raise ValueError(
+          f'dataset {dataset.name!r}: {int(bad.sum())} {split} labels lie '
+          f'outside [0, {dataset.num_classes}) (e.g. '
+          f'{values[:5].tolist()}); the files are corrupt or not an '
+          f'{dataset.num_classes}-class dataset')
+  return dataset
+
+
+def load_idx(data_dir: str, *, name: str = 'idx',
+             num_classes: int = IDX_NUM_CLASSES) -> Dataset:
   """Loads an MNIST-style dataset from the four standard IDX files.
 
   Looks in `data_dir` for `train-images-idx3-ubyte`, `train-labels-idx1-ubyte`,
@@ -207,7 +234,9 @@ def load_idx(data_dir: str, *, name: str = 'idx') -> Dataset:
 
   Returns:
     The dataset, with images of shape `[N, H, W, 1]` (28x28 for MNIST-style
-    data) and `num_classes` equal to the largest label plus one.
+    data) and the declared `num_classes` (every label is checked against
+    it).
+
 
   Raises:
     DataNotFoundError: If any of the four files is missing.
@@ -233,9 +262,7 @@ def load_idx(data_dir: str, *, name: str = 'idx') -> Dataset:
         f'{data_dir}: train images {arrays["train_x"].shape[1:]} and test '
         f'images {arrays["test_x"].shape[1:]} differ in shape.'
     )
-  num_classes = int(max(arrays['train_y'].max(initial=-1),
-                        arrays['test_y'].max(initial=-1))) + 1
-  return Dataset(**arrays, num_classes=num_classes, name=name)
+  return check_labels(Dataset(**arrays, num_classes=num_classes, name=name))
 
 
 # ----------------------------------------------------------------------------
@@ -422,4 +449,4 @@ def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
     raise SettingError(
         'dataset', f'unknown {name!r}; valid choices: '
         f'{", ".join(sorted(DATASETS))}.')
-  return DATASETS[name](data_dir)
+  return check_labels(DATASETS[name](data_dir))

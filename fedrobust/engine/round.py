@@ -287,10 +287,21 @@ def _attack(outputs, threat, is_mal, mask, key):
       lambda row: unravel_like(row, like))(attacked))
 
 
+def all_finite(tree: PyTree) -> jax.Array:
+  """bool[]: every entry of every leaf is finite."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf))
+                            for leaf in jax.tree.leaves(tree)]))
+
+
 def make_round_step(method: Method, config: RoundConfig, *,
                     mesh: Mesh | None = None,
-                    threat: Threat | None = None) -> Callable:
+                    threat: Threat | None = None,
+                    skip_nonfinite: bool = False) -> Callable:
   """Builds round_step(state, data, server_data) -> (state, metrics).
+
+  Every round reports metrics['nonfinite_model'] (1.0 when the new global
+  params hold a NaN or Inf, i.e. the model or the aggregated update
+  diverged).
 
   Args:
     method: the federated algorithm.
@@ -298,6 +309,9 @@ def make_round_step(method: Method, config: RoundConfig, *,
     mesh: optional mesh with a 'clients' axis; config.num_devices must be
       its size.
     threat: optional attackers (see Threat).
+    skip_nonfinite: drop a round whose new global params are not finite:
+      the state keeps its params, method state and in-flight updates, and
+      only the round counter and the key advance.
 
   Returns:
     A pure function; jit it with donate_argnums=0.
@@ -422,6 +436,12 @@ def make_round_step(method: Method, config: RoundConfig, *,
                    if delay is not None else state.pending)
     new_state = ServerState(now, tuple(params), method_state,
                             jax.random.key_data(key), new_pending)
+    finite = all_finite(new_state.params)
+    metrics['nonfinite_model'] = 1.0 - finite.astype(jnp.float32)
+    if skip_nonfinite:
+      kept = state._replace(round=now, key=new_state.key)
+      new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                               new_state, kept)
     return new_state, metrics
 
   return round_step
