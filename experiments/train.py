@@ -24,9 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
-import json
 import os
-import shutil
 import time
 from typing import Any, NamedTuple
 
@@ -842,7 +840,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines[0] += (f" ({len(summary['skipped_rounds'])} skipped as "
                  f"non-finite: {summary['skipped_rounds']})")
   for key, label in names:
-    if key in final:
+    if final.get(key) is not None or last5.get(key) is not None:
       lines.append(f'  {label:<22} final {_fmt(final.get(key))}   last-5 '
                    f'mean {_fmt(last5.get(key))}')
   files = summary['files']

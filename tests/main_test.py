@@ -62,7 +62,36 @@ def flags_for(config):
   return args
 
 
-class EndToEndTest(absltest.TestCase):
+def kill_after_checkpoint(proc, ckpt_dir, step, *, pause=0.0,
+                          timeout=120):
+  """SIGKILLs `proc` once checkpoint `step` (or a later one) exists, after
+  `pause` seconds; False if the process ended first."""
+  deadline = time.time() + timeout
+  while time.time() < deadline and proc.poll() is None:
+    steps = [int(s) for s in os.listdir(ckpt_dir) if s.isdigit()] if (
+        os.path.isdir(ckpt_dir)) else []
+    if steps and max(steps) >= step:
+      time.sleep(pause)
+      break
+    time.sleep(0.005)
+  if proc.poll() is not None:
+    return False
+  os.kill(proc.pid, signal.SIGKILL)
+  assert proc.wait() == -signal.SIGKILL
+  return True
+
+
+def finish(cmd, workdir):
+  """Runs `cmd` to completion (exit 0 asserted); its summary.json."""
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    return json.load(f)
+
+
+class IdxDataTestCase(absltest.TestCase):
+  """A test case with the tiny IDX dataset written once per class."""
 
   @classmethod
   def setUpClass(cls):
@@ -75,6 +104,9 @@ class EndToEndTest(absltest.TestCase):
   def tearDownClass(cls):
     cls._tmp.cleanup()
     super().tearDownClass()
+
+
+class EndToEndTest(IdxDataTestCase):
 
   def test_two_round_smoke_and_outputs(self):
     workdir = self.create_tempdir().full_path
@@ -97,33 +129,33 @@ class EndToEndTest(absltest.TestCase):
       hist = json.load(f)
     self.assertEqual(np.sum(hist['histograms']), np.sum(hist['train_counts']))
 
-  def test_resume_is_exact_and_more_rounds_continue(self):
-    straight = self.create_tempdir().full_path
+  def straight_and_resumed(self, rounds, split_at, **overrides):
+    """(straight summary, resumed summary, resumed metrics rows): one run of
+    `rounds`, and one stopped after `split_at` and run again to `rounds`."""
+    straight = train.run(base_config(
+        self.data_dir, self.create_tempdir().full_path, num_rounds=rounds,
+        checkpoint_every=rounds, **overrides))
     split = self.create_tempdir().full_path
-    full = train.run(base_config(self.data_dir, straight, num_rounds=4,
-                                 checkpoint_every=4))
-    train.run(base_config(self.data_dir, split, num_rounds=2))
-    resumed = train.run(base_config(self.data_dir, split, num_rounds=4))
+    train.run(base_config(self.data_dir, split, num_rounds=split_at,
+                          **overrides))
+    resumed = train.run(base_config(self.data_dir, split,
+                                    num_rounds=rounds, **overrides))
+    with open(os.path.join(split, 'metrics.jsonl')) as f:
+      rows = [json.loads(line) for line in f]
+    return straight, resumed, rows
+
+  def test_resume_is_exact_and_more_rounds_continue(self):
+    full, resumed, rows = self.straight_and_resumed(4, 2)
     self.assertEqual(resumed['params_sha256'], full['params_sha256'])
     self.assertEqual(resumed['rounds_completed'], 4)
-    with open(os.path.join(split, 'metrics.jsonl')) as f:
-      self.assertEqual([json.loads(l)['round'] for l in f], [1, 2, 3, 4])
+    self.assertEqual([r['round'] for r in rows], [1, 2, 3, 4])
 
   def test_sdfc_client_state_survives_resume(self):
     sdfc = dict(method='sdfc', attack='badnets', malicious_fraction=0.25,
                 validation_fraction=0.1, validation_size=16,
                 clients_per_round=0)
-    straight = train.run(base_config(self.data_dir,
-                                     self.create_tempdir().full_path,
-                                     num_rounds=3, checkpoint_every=3,
-                                     **sdfc))
-    split = self.create_tempdir().full_path
-    train.run(base_config(self.data_dir, split, num_rounds=2, **sdfc))
-    resumed = train.run(base_config(self.data_dir, split, num_rounds=3,
-                                    **sdfc))
+    straight, resumed, rows = self.straight_and_resumed(3, 2, **sdfc)
     self.assertEqual(resumed['params_sha256'], straight['params_sha256'])
-    with open(os.path.join(split, 'metrics.jsonl')) as f:
-      rows = [json.loads(line) for line in f]
     self.assertIn('weight_malicious', rows[-1])
     self.assertIn('fisher_discrepancy', rows[-1])
     # Every client trains every round, so round 3 reads each client's
@@ -195,17 +227,9 @@ class EndToEndTest(absltest.TestCase):
                        [0.5, 0.5, 1.0, 1.0])
 
   def test_semi_async_resume_is_exact(self):
-    delayed = dict(client_delay='exponential:2', clients_per_round=0)
-    straight = train.run(base_config(
-        self.data_dir, self.create_tempdir().full_path, num_rounds=4,
-        checkpoint_every=4, **delayed))
-    split = self.create_tempdir().full_path
-    train.run(base_config(self.data_dir, split, num_rounds=2, **delayed))
-    resumed = train.run(base_config(self.data_dir, split, num_rounds=4,
-                                    **delayed))
+    straight, resumed, rows = self.straight_and_resumed(
+        4, 2, client_delay='exponential:2', clients_per_round=0)
     self.assertEqual(resumed['params_sha256'], straight['params_sha256'])
-    with open(os.path.join(split, 'metrics.jsonl')) as f:
-      rows = [json.loads(line) for line in f]
     self.assertEqual([r['round'] for r in rows], [1, 2, 3, 4])
     self.assertTrue(all('staleness_mean' in r for r in rows))
 
@@ -333,24 +357,12 @@ class EndToEndTest(absltest.TestCase):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, cwd=ROOT)
     ckpt = os.path.join(workdir, 'checkpoints')
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-      steps = [int(s) for s in os.listdir(ckpt) if s.isdigit()] if (
-          os.path.isdir(ckpt)) else []
-      if steps and max(steps) >= 5:
-        break
-      time.sleep(0.02)
-    self.assertIsNone(proc.poll(), 'run finished before it could be killed')
-    os.kill(proc.pid, signal.SIGKILL)
-    self.assertEqual(proc.wait(), -signal.SIGKILL)
+    self.assertTrue(kill_after_checkpoint(proc, ckpt, 5),
+                    'run finished before it could be killed')
     killed_at = max(int(s) for s in os.listdir(ckpt) if s.isdigit())
     self.assertLess(killed_at, 150)
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
-    self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
-    with open(os.path.join(workdir, 'summary.json')) as f:
-      resumed = json.load(f)
-    self.assertEqual(resumed['params_sha256'], reference['params_sha256'])
+    self.assertEqual(finish(cmd, workdir)['params_sha256'],
+                     reference['params_sha256'])
 
 
 class CheckpointerTest(absltest.TestCase):

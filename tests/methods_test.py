@@ -77,14 +77,22 @@ def copy(tree):
   return jax.tree.map(jnp.array, tree)
 
 
+def run_rounds(name, variant, rounds, state=None):
+  """(state after `rounds` rounds from a copy of `state`, last metrics)."""
+  _, step, initial, data, server_data = case(name, variant)
+  state = copy(initial if state is None else state)
+  metrics = None
+  for _ in range(rounds):
+    state, metrics = step(state, data, server_data)
+  return state, metrics
+
+
 class MethodConformanceTest(parameterized.TestCase):
 
   @parameterized.parameters(*CASES)
   def test_two_rounds_stay_finite(self, name, variant):
-    method, step, state, data, server_data = case(name, variant)
-    state = copy(state)
-    for _ in range(2):
-      state, metrics = step(state, data, server_data)
+    method = case(name, variant)[0]
+    state, metrics = run_rounds(name, variant, 2)
     chex.assert_tree_all_finite(state.params)
     for key, value in jax.device_get(metrics).items():
       if key != 'detection_weight_auc':      # NaN without attackers
@@ -128,19 +136,14 @@ class MethodConformanceTest(parameterized.TestCase):
 
   @parameterized.parameters(*CASES)
   def test_no_retrace_across_rounds(self, name, variant):
-    _, step, state, data, server_data = case(name, variant)
-    state = copy(state)
-    for _ in range(3):    # chex.assert_max_traces(n=1) wraps the round
-      state, _ = step(state, data, server_data)
+    state, _ = run_rounds(name, variant, 3)   # max_traces(n=1) inside
     self.assertEqual(int(state.round), 3)
 
   @parameterized.parameters(*CASES)
   def test_resume_is_exact(self, name, variant):
     _, step, state, data, server_data = case(name, variant)
-    straight = copy(state)
-    for _ in range(2):
-      straight, _ = step(straight, data, server_data)
-    resumed, _ = step(copy(state), data, server_data)
+    straight, _ = run_rounds(name, variant, 2)
+    resumed, _ = run_rounds(name, variant, 1)
     directory = self.create_tempdir().full_path
     ckpt = Checkpointer(directory, keep=2)
     ckpt.save(1, resumed)

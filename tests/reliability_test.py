@@ -17,11 +17,9 @@ import glob
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -37,7 +35,8 @@ from fedrobust.cohort import single_cohort
 from fedrobust.methods import get_method
 from fedrobust.transforms import identity
 from tests.engine_test import toy_data
-from tests.main_test import ROOT, base_config, flags_for, write_idx
+from tests.main_test import (ROOT, IdxDataTestCase, base_config, finish,
+                             flags_for, kill_after_checkpoint)
 
 FULL = os.environ.get('FEDROBUST_RELIABILITY') == 'full'
 SEED = int(os.environ.get('FEDROBUST_RELIABILITY_SEED',
@@ -59,19 +58,7 @@ def strict_rows(path):
     return [json.loads(line, parse_constant=refuse) for line in f]
 
 
-class _Data(absltest.TestCase):
-
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls._tmp = tempfile.TemporaryDirectory()
-    cls.data_dir = cls._tmp.name
-    write_idx(cls.data_dir)
-
-  @classmethod
-  def tearDownClass(cls):
-    cls._tmp.cleanup()
-    super().tearDownClass()
+class _Data(IdxDataTestCase):
 
   def config(self, workdir=None, **overrides):
     return base_config(self.data_dir, workdir or
@@ -373,25 +360,12 @@ class KillTest(_Data):
     for target in targets:
       proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, cwd=ROOT)
-      deadline = time.time() + 120
-      while time.time() < deadline and proc.poll() is None:
-        steps = [int(s) for s in os.listdir(ckpt) if s.isdigit()] if (
-            os.path.isdir(ckpt)) else []
-        if steps and max(steps) >= target:
-          time.sleep(rng.uniform(0.0, 0.05))
-          break
-        time.sleep(0.005)
-      if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-        self.assertEqual(proc.wait(), -signal.SIGKILL)
+      if kill_after_checkpoint(proc, ckpt, target,
+                               pause=rng.uniform(0.0, 0.05)):
         killed.append(target)
     self.assertLen(killed, kills)
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
-    self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
-    with open(os.path.join(workdir, 'summary.json')) as f:
-      resumed = json.load(f)
-    self.assertEqual(resumed['params_sha256'], reference['params_sha256'])
+    self.assertEqual(finish(cmd, workdir)['params_sha256'],
+                     reference['params_sha256'])
     rounds = [r['round'] for r in strict_rows(f'{workdir}/metrics.jsonl')]
     self.assertEqual(rounds, [10, 20, 30, 40])
 
