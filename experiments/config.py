@@ -23,7 +23,7 @@ from fedrobust.engine.delay import DELAY_KINDS
 from fedrobust.engine.execution import STRATEGIES
 from fedrobust.errors import SettingError
 from fedrobust.methods import METHODS
-from fedrobust.models import COMPUTE_DTYPES, CONV_IMPLS, MODELS
+from fedrobust.models import COMPUTE_DTYPES, CONV_IMPLS, MODELS, PIPELINES
 from fedrobust.settings import Setting
 from fedrobust.transforms import TRANSFORMS
 
@@ -39,6 +39,10 @@ CORE: tuple[Setting, ...] = (
       'location).'),
     S('model', 'simple_cnn', 'Architecture (one cohort; see --cohorts).',
       choices=tuple(sorted(MODELS))),
+    S('input_pipeline', 'native', 'How stored images reach the model: '
+      'native ((x/255-0.5)/0.5) or sdfc_release (resize to 32x32, '
+      'normalise by 0.1307/0.3081, random crops while training).',
+      choices=tuple(sorted(PIPELINES))),
     S('cohorts', '', 'Several architectures in one federation: '
       'model:share,... (e.g. simple_cnn:0.5,row_lstm:0.5); clients are '
       'assigned by a seeded draw, recorded in client_histograms.json. '
@@ -62,19 +66,29 @@ CORE: tuple[Setting, ...] = (
     S('local_test_fraction', 0.1, "Share of each client's data kept as its "
       'local test split (Horus uses 0.2).'),
     S('max_train_examples', 0, 'Subsample the training split (0: use all).'),
+    S('global_test_per_class', 0, 'Evaluate on a seeded, class-balanced '
+      'sample of this many test images per class (Horus); 0: the whole '
+      'test split.'),
     # Parameter transform (what clients train and send).
     S('transform', 'identity', 'What clients train: identity (the full '
-      'model), lora (frozen model + LoRA factors), width (HeteroFL '
-      'submodels).', choices=tuple(sorted(TRANSFORMS))),
+      'model), lora (frozen model + LoRA factors), select (the full '
+      'parameters of chosen layers), width (HeteroFL submodels).',
+      choices=tuple(sorted(TRANSFORMS))),
     S('lora_ranks', '8', 'LoRA rank, or comma-separated ranks assigned to '
       'clients by a seeded draw (heterogeneous ranks).'),
     S('lora_alpha', 0.0, 'LoRA alpha (scale alpha/r); 0: the largest rank.'),
     S('lora_targets', 'all', 'Layers that get LoRA: roles (first, head), '
-      'all, or globs over module paths, comma-separated.'),
+      'all, random2 (two fixed random middle layers) or globs over module '
+      'paths, comma-separated.'),
+    S('select_targets', 'first,head', 'Layers whose full parameters '
+      '--transform=select trains (roles, all, random2 or globs).'),
     S('width_ratios', '1', 'Width ratio(s) p in (0, 1] of --transform=width, '
       'comma-separated; assigned to clients by a seeded draw.'),
-    S('width_rolling', False, 'FedRolex: a rolling window of units instead '
-      "of HeteroFL's prefix."),
+    S('width_variant', 'heterofl', 'Width slicing: heterofl (a prefix of '
+      'every layer), fedrolex (a window rolling by one unit per round) or '
+      'fjord (ordered dropout: each local step trains the prefix of a width '
+      "drawn from the ratios up to the client's).",
+      choices=('heterofl', 'fedrolex', 'fjord')),
     S('pretrain_epochs', 0, 'Epochs of central training on the public split '
       '(--public_size) before federated training (the frozen base of '
       '--transform=lora).'),
@@ -111,7 +125,13 @@ CORE: tuple[Setting, ...] = (
     S('trigger_location', 'top_left', 'Where the BadNets/DBA trigger sits.',
       choices=('top_left', 'top_right', 'bottom_left', 'bottom_right',
                'center')),
-    S('trigger_size', '2x6', 'Trigger HxW in pixels.'),
+    S('trigger_size', '2x6', 'Trigger HxW in pixels (the block pattern).'),
+    S('trigger_pattern', 'block', 'Trigger layout: a solid block, or the '
+      "SDFC release's rows 0 and 2 at columns 0-2 and 4-6 (sdfc_rows).",
+      choices=('block', 'sdfc_rows')),
+    S('backdoor_eval', 'exclude_target', 'Attack success rate over triggered '
+      'test images of other classes (exclude_target), or over all of them '
+      "(all; the SDFC release's R).", choices=('exclude_target', 'all')),
     S('trigger_value', 255, 'Trigger pixel value.'),
     S('poison_fraction', 0.5, "Share of a malicious client's data that is "
       'poisoned.'),
@@ -120,6 +140,9 @@ CORE: tuple[Setting, ...] = (
     S('blend_alpha', 0.2, 'Blended-trigger opacity.'),
     # Run, evaluation, checkpoints.
     S('eval_every', 1, 'Evaluate every this many rounds.'),
+    S('log_clients', True, 'Log per-client values in metrics.jsonl (id, '
+      'attacking, aggregation weight, per-client metrics such as SDFC\'s '
+      'T_k) with their AUC against the attackers, and plot clients.png.'),
     S('eval_batch_size', 500, 'Evaluation batch size.'),
     S('checkpoint_every', 5, 'Checkpoint every this many rounds (and always '
       'at the end).'),
@@ -161,7 +184,7 @@ CORE: tuple[Setting, ...] = (
 RESUMABLE_KEYS = frozenset({
     'num_rounds', 'eval_every', 'eval_batch_size', 'checkpoint_every',
     'checkpoints_keep', 'workdir', 'overwrite', 'force_overwrite',
-    'on_divergence'})
+    'on_divergence', 'log_clients'})
 # Changing these on resume is allowed (same math, other program), but the
 # final parameters then match an uninterrupted run only within float
 # tolerance, not bitwise.

@@ -28,7 +28,8 @@ from experiments import train
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
 # The paper setting a bare --method=NAME runs (a flagfile in CONFIGS).
-BARE_METHOD_PRESETS = {'sdfc': 'sdfc_fmnist_paper.flags'}
+BARE_METHOD_PRESETS = {'sdfc': 'sdfc_fmnist_paper.flags',
+                       'horus': 'horus_fmnist_paper.flags'}
 
 
 def define_flags(settings: dict) -> None:

@@ -20,7 +20,17 @@ PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'reference',
 # Paper metric name -> the metrics.jsonl key it corresponds to.
 METRIC_KEYS = {'A': 'test_accuracy', 'R': 'backdoor_failure_rate',
                'V': 'tradeoff_v', 'acc': 'test_accuracy',
-               'global_acc': 'test_accuracy'}
+               'global_acc': 'test_accuracy', 'local': 'local_accuracy'}
+
+# Tables whose single metric packs one value per column of a setting:
+# (paper, table) -> (the column's name in the setting string, its values).
+COLUMNS = {('Horus', 'TableI'): ('alpha', ('0.1', '0.3', '0.5'))}
+
+# Our attack names -> the Horus paper's.
+HORUS_ATTACKS = {'label_flip': 'label-flip', 'lie': 'LIE',
+                 'min_max': 'min-max', 'min_sum': 'min-sum',
+                 'fang_trim': 'Fang', 'fang_krum': 'Fang',
+                 'agr_tailored': 'AGR-tailored'}
 
 
 def _sdfc_setting(config: dict) -> str:
@@ -30,8 +40,16 @@ def _sdfc_setting(config: dict) -> str:
   return f'beta={beta} malicious={pct}%'
 
 
+def _horus_setting(config: dict) -> str:
+  if config.get('attack', 'none') == 'none':
+    return (f"alpha={config['dirichlet_alpha']:g} heterogeneous FL no "
+            'attack')
+  attack = HORUS_ATTACKS.get(config['attack'], config['attack'])
+  return f"{attack} alpha={config['dirichlet_alpha']:g}"
+
+
 # paper -> config -> the paper's setting string.
-SETTINGS = {'SDFC': _sdfc_setting}
+SETTINGS = {'SDFC': _sdfc_setting, 'Horus': _horus_setting}
 
 
 def load(paper: str, table: str, path: str = PATH
@@ -45,6 +63,15 @@ def load(paper: str, table: str, path: str = PATH
         continue
       _, _, method, setting, metric, value = row
       names, values = metric.split('/'), value.split('/')
+      if (paper, table) in COLUMNS and len(names) == 1:
+        column, keys = COLUMNS[(paper, table)]
+        if len(values) != len(keys):
+          raise ValueError(f'{path}: {value!r} is not one value per '
+                           f'{column} in {keys}')
+        for key, v in zip(keys, values):
+          out.setdefault((method, f'{setting} {column}={key}'), {})[
+              METRIC_KEYS.get(names[0], names[0])] = float(v) / 100
+        continue
       if len(names) != len(values):
         raise ValueError(f'{path}: {metric!r} does not match {value!r}')
       entry = out.setdefault((method, setting), {})

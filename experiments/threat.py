@@ -13,7 +13,9 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import config as config_lib
 from fedrobust import aggregators, attacks
+from fedrobust.methods import METHODS
 from fedrobust.engine import Threat
 
 
@@ -41,7 +43,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                  input_shape: tuple[int, ...], test_x: np.ndarray,
                  test_y: np.ndarray, validation: tuple[np.ndarray,
                                                        np.ndarray],
-                 cohorts: tuple = (), delayed: bool = False) -> ThreatSetup:
+                 cohorts: tuple = (), delayed: bool = False,
+                 group_sizes: tuple[int, ...] = ()) -> ThreatSetup:
   """Validates the threat flags and builds the pieces (errors name flags).
 
   Args:
@@ -49,6 +52,9 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
     cohorts: the run's cohorts (fedrobust.cohort.Cohort); rules that track
       or train the global model need a single identity-transform cohort.
     delayed: client delays are on (rules with per-slot history refuse).
+    group_sizes: clients per round of each group the rule runs on (with
+      several cohorts: the shared layers over all of them, and each
+      cohort's own layers); the smallest must support the rule.
   """
   attack = config['attack']
   k = config['num_clients']
@@ -78,7 +84,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
   if attack in attacks.DATA_ATTACKS:
     h, w = attacks.parse_trigger_size(config['trigger_size'])
     trigger = attacks.Trigger(h, w, config['trigger_location'],
-                              config['trigger_value'])
+                              config['trigger_value'],
+                              pattern=config['trigger_pattern'])
     target = config['backdoor_target_label']
     if not 0 <= target < num_classes:
       raise ValueError(f'--backdoor_target_label={target} must be in '
@@ -100,7 +107,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
     if attack in attacks.BACKDOORS:
       triggered = attacks.triggered_test_set(
           test_x, test_y, attack, target_label=target, trigger=trigger,
-          alpha=config['blend_alpha'], seed=config['seed'])
+          alpha=config['blend_alpha'], seed=config['seed'],
+          exclude_target=config['backdoor_eval'] == 'exclude_target')
   elif attack in attacks.MODEL_ATTACKS:
     built = attacks.get_model_attack(attack, **kwargs)
     if built.needs_benign and config['attacker_knowledge'] != 'benign_stats':
@@ -111,11 +119,16 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
     model_attack = built.apply
 
   name = config['aggregator']
-  # With several cohorts the rule runs once per cohort (and once over the
-  # shared layers of all of them): the smallest cohort must support it.
-  n = min((ch.clients_per_round for ch in cohorts), default=c)
+  # With several cohorts the rule runs once over the shared layers of all
+  # of them and once per cohort with layers of its own: the smallest group
+  # must support it.
+  n = min(group_sizes, default=c)
   aggregators.check_num_clients(name, n, f)
   agg_kwargs = _kwargs(config, 'aggregator_kwargs')
+  spec = METHODS[config['method']]
+  for key, value in spec.aggregator_defaults(
+      config_lib.settings_of(config['method'], config), name).items():
+    agg_kwargs.setdefault(key, value)
   plain = len(cohorts) <= 1 and all(ch.transform.name == 'identity'
                                     for ch in cohorts)
   if (name in aggregators.SERVER_DATA_RULES or

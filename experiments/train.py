@@ -41,17 +41,19 @@ from experiments.workdir import ConfigMismatchError, WorkdirError
 from experiments.threat import build_threat
 from fedrobust import aggregators
 from fedrobust.checkpoint import CheckpointError, Checkpointer
-from fedrobust.cohort import Cohort
+from fedrobust.cohort import Cohort, split_roles
 from fedrobust.data import (DEFAULT_FASHION_MNIST_DIR, DataNotFoundError,
                             build_federated_setup, load_dataset, subsample)
 from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               client_mesh, default_strategy, evaluate,
                               evaluate_clients, init_server_state,
-                              make_round_step, parse_delay, sgd)
+                              make_round_step, make_setup_step, parse_delay,
+                              sgd)
 from fedrobust.engine.evaluate import pad_to_batches
 from fedrobust.engine.round import all_finite
 from fedrobust.errors import SettingError
 from fedrobust.methods import METHODS
+from fedrobust.methods.fedavg import parse_share
 from fedrobust.models import (default_compute_dtype, default_conv_impl,
                               get_model)
 from fedrobust.pretrain import pretrain
@@ -97,7 +99,7 @@ def validate(config: dict[str, Any]) -> None:
       raise ValueError(f'--{key} must be >= 1, got {config[key]}')
   for key in ('clients_per_round', 'max_train_examples', 'validation_size',
               'public_size', 'chunk_size', 'scan_unroll', 'num_devices',
-              'cpu_devices', 'pretrain_epochs'):
+              'cpu_devices', 'pretrain_epochs', 'global_test_per_class'):
     if config[key] < 0:
       raise ValueError(f'--{key} must be >= 0, got {config[key]}')
   if config['clients_per_round'] > config['num_clients']:
@@ -133,11 +135,15 @@ def validate(config: dict[str, Any]) -> None:
   if config['dataset'] == 'idx' and not config['data_dir']:
     raise ValueError('--dataset=idx needs --data_dir (a directory with the '
                      'four IDX files)')
-  if config['transform'] != 'lora' and config['lora_ranks'] != '8':
-    raise ValueError('--lora_ranks needs --transform=lora')
-  if config['transform'] != 'width' and (config['width_ratios'] != '1' or
-                                         config['width_rolling']):
-    raise ValueError('--width_ratios/--width_rolling need --transform=width')
+  if config['transform'] != 'lora' and (
+      config['lora_ranks'] != '8' or config['lora_targets'] != 'all'):
+    raise ValueError('--lora_ranks/--lora_targets need --transform=lora')
+  if config['transform'] != 'select' and config['select_targets'] != \
+      'first,head':
+    raise ValueError('--select_targets needs --transform=select')
+  if config['transform'] != 'width' and (
+      config['width_ratios'] != '1' or config['width_variant'] != 'heterofl'):
+    raise ValueError('--width_ratios/--width_variant need --transform=width')
   if config['pretrain_epochs'] and not config['public_size']:
     raise ValueError('--pretrain_epochs needs a public split: '
                      '--public_size > 0')
@@ -241,14 +247,19 @@ def build_cohorts(config: dict[str, Any], *, num_classes: int,
     kwargs = dict(ranks=ranks, alpha=config['lora_alpha'],
                   targets=parse_list(config['lora_targets'], str,
                                      'lora_targets'))
+  elif transform == 'select':
+    kwargs = dict(targets=parse_list(config['select_targets'], str,
+                                     'select_targets'))
   elif transform == 'width':
     ratios = parse_list(config['width_ratios'], float, 'width_ratios')
     specs = assign_specs(ratios, config['num_clients'], config['seed'])
-    kwargs = dict(ratios=ratios, rolling=config['width_rolling'])
+    kwargs = dict(ratios=ratios,
+                  rolling=config['width_variant'] == 'fedrolex',
+                  ordered_dropout=config['width_variant'] == 'fjord')
   cohorts, seen = [], {}
   for (name, _), ids, c_j in zip(entries, members, per_round):
     model = get_model(name, num_classes=num_classes, input_shape=input_shape,
-                      conv_impl=conv_impl,
+                      conv_impl=conv_impl, pipeline=config['input_pipeline'],
                       dtype=None if compute_dtype == 'float32' else
                       jnp.dtype(compute_dtype))
     label = name if name not in seen else f'{name}_{seen[name]}'
@@ -258,6 +269,26 @@ def build_cohorts(config: dict[str, Any], *, num_classes: int,
                           tuple(int(i) for i in ids), int(c_j),
                           tuple(float(v) for v in specs)))
   return tuple(cohorts), specs
+
+
+def aggregation_groups(cohorts: tuple[Cohort, ...],
+                       config: dict[str, Any]) -> tuple[int, ...]:
+  """Clients per round of each group a rule aggregates (methods/base.py
+  cohort_aggregation): one cohort is one group; several cohorts give the
+  shared layers (all clients) plus each cohort whose trainable tree has
+  layers of its own."""
+  if len(cohorts) == 1:
+    return (cohorts[0].clients_per_round,)
+  share = parse_share(config.get('cohort_share', 'none'))
+  sizes = [sum(c.clients_per_round for c in cohorts)] if share else []
+  for c in cohorts:
+    template = jax.eval_shape(
+        lambda c=c: c.transform.init(c.model.init(jax.random.key(0)),
+                                     jax.random.key(0))[1])
+    private = split_roles(template, c.model, share)[1] if share else template
+    if jax.tree.leaves(private):
+      sizes.append(c.clients_per_round)
+  return tuple(sizes)
 
 
 def upload_bytes(cohort: Cohort, template: Any) -> dict[str, int]:
@@ -315,6 +346,37 @@ def device_info() -> dict[str, Any]:
   return {'backend': jax.default_backend(), 'device_kind':
           devices[0].device_kind, 'device_count': len(devices),
           'process_count': jax.process_count()}
+
+
+def plot_clients(path: str, rows: list[dict[str, Any]], title: str) -> None:
+  """Per-client values by round (red: attacking): the aggregation weight
+  share and, where the method has one, its score (SDFC's T_k)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows = [r for r in rows if 'clients' in r]
+  panels = [k for k in ('weight', 'fisher_discrepancy',
+                        'fisher_discrepancy_incoming')
+            if k in rows[0]['clients']]
+  if not panels:
+    return
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6),
+                           squeeze=False)
+  for ax, key in zip(axes[0], panels):
+    for r in rows:
+      c = r['clients']
+      values = np.asarray(c[key], np.float64)
+      if key == 'weight' and values.sum() > 0:
+        values = values / values.sum()
+      colors = ['tab:red' if m else 'tab:blue' for m in c['malicious']]
+      ax.scatter([r['round']] * len(values), values, c=colors, s=12)
+    ax.set_xlabel('round')
+    ax.set_ylabel('weight share' if key == 'weight' else key)
+    ax.grid(alpha=0.3)
+  axes[0][0].set_title(f'{title}: red = attacking', fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 def plot_curves(path: str, rows: list[dict[str, Any]], title: str) -> None:
@@ -406,7 +468,8 @@ def build(config: dict[str, Any]) -> Program:
       validation_size=config['validation_size'],
       public_size=config['public_size'],
       local_test_fraction=config['local_test_fraction'],
-      eval_batch_size=config['eval_batch_size'])
+      eval_batch_size=config['eval_batch_size'],
+      global_test_per_class=config['global_test_per_class'])
   cohorts, specs = build_cohorts(
       config, num_classes=setup.num_classes, input_shape=setup.input_shape,
       conv_impl=conv_impl, compute_dtype=compute_dtype)
@@ -426,7 +489,8 @@ def build(config: dict[str, Any]) -> Program:
       config, num_classes=setup.num_classes, input_shape=setup.input_shape,
       test_x=dataset.test_x, test_y=dataset.test_y,
       validation=(setup.validation_x, setup.validation_y),
-      cohorts=cohorts, delayed=delay is not None)
+      cohorts=cohorts, delayed=delay is not None,
+      group_sizes=aggregation_groups(cohorts, config))
 
   spec = METHODS[config['method']]
   settings = config_lib.settings_of(config['method'], config)
@@ -475,6 +539,10 @@ class Evaluator:
   `<metric>/<label>`. With several cohorts the headline numbers are the
   member-weighted means over the cohorts' global models, and
   local_accuracy is the mean over all clients of their own cohort's model.
+  A per-client model set (private backbones) is evaluated client by
+  client, as Horus does: global accuracy is the mean over clients of their
+  own model's accuracy on the global test set, local accuracy the mean of
+  their own model on their own local test split.
   """
 
   def __init__(self, program: Program, put, eval_batch_size: int):
@@ -489,6 +557,16 @@ class Evaluator:
     self.client_fns = [jax.jit(functools.partial(evaluate_clients,
                                                  c.model.apply))
                        for c in self.cohorts]
+
+    def each(apply, params, test, local):
+      """Per client k: its model on the global test and on its local test."""
+      def one(args):
+        p, lx, ly, lm = args
+        return evaluate(apply, p, *test), evaluate(apply, p, lx, ly, lm)
+      return jax.lax.map(one, (params, *local))
+
+    self.each_fns = [jax.jit(functools.partial(each, c.model.apply))
+                     for c in self.cohorts]
     self.triggered = None
     if program.threat.triggered_test is not None:
       self.triggered = put(tuple(map(jnp.asarray, pad_to_batches(
@@ -500,10 +578,18 @@ class Evaluator:
     per_cohort: dict[int, dict[str, float]] = {}
     for m in models:
       c = self.cohorts[m.cohort]
+      members = list(c.members)
+      if m.per_client:
+        values = self._per_client(m)
+        suffix = f'/{m.label}' if m.label else ''
+        row.update({k + suffix: v for k, v in values.items()
+                    if k != '_own'})
+        per_cohort[m.cohort] = values
+        own_local.update(values['_own'])
+        continue
       test = jax.device_get(self.eval_fns[m.cohort](m.params, *self.test))
       local = jax.device_get(self.client_fns[m.cohort](
           m.params, *self.local_tests[m.cohort]))
-      members = list(c.members)
       wanted = set(m.clients) if m.clients is not None else set(members)
       pick = np.array([i in wanted for i in members])
       has = (np.asarray(local['count']) > 0) & pick
@@ -535,6 +621,26 @@ class Evaluator:
       row['local_accuracy'] = (float(np.mean(list(own_local.values())))
                                if own_local else None)
     return row
+
+
+  def _per_client(self, m) -> dict[str, Any]:
+    global_m, local_m = jax.device_get(self.each_fns[m.cohort](
+        m.params, self.test, self.local_tests[m.cohort]))
+    has = np.asarray(local_m['count']) > 0
+    members = list(self.cohorts[m.cohort].members)
+    values = {'test_accuracy': float(np.mean(global_m['accuracy'])),
+              'test_loss': float(np.mean(global_m['loss'])),
+              'local_accuracy': (float(np.mean(local_m['accuracy'][has]))
+                                 if has.any() else None),
+              '_own': {i: float(a) for i, a, ok in zip(
+                  members, np.asarray(local_m['accuracy']), has) if ok}}
+    if self.triggered is not None:
+      asr = float(np.mean([float(self.eval_fns[m.cohort](
+          jax.tree.map(lambda leaf, k=k: leaf[k], m.params),
+          *self.triggered)['accuracy']) for k in range(len(members))]))
+      values.update(attack_success_rate=asr, backdoor_failure_rate=1 - asr,
+                    tradeoff_v=(values['test_accuracy'] + 1 - asr) / 2)
+    return values
 
 
 HEADLINE = ('test_accuracy', 'local_accuracy', 'attack_success_rate',
@@ -615,7 +721,8 @@ def _run_locked(config: dict[str, Any], program: Program,
   on_divergence = config['on_divergence']
   round_step = make_round_step(method, program.round_config, mesh=mesh,
                                threat=program.threat.threat,
-                               skip_nonfinite=on_divergence == 'skip_round')
+                               skip_nonfinite=on_divergence == 'skip_round',
+                               log_clients=config['log_clients'])
 
   init_key = jax.random.key(config['seed'])
   fresh = tuple(c.model.init(init_key if j == 0 else
@@ -668,6 +775,14 @@ def _run_locked(config: dict[str, Any], program: Program,
         pretrained.append(p)
       fresh = tuple(pretrained)
     state = put(initial_state(fresh))
+    if method.client_setup is not None:
+      t0 = time.perf_counter()
+      setup_step = jax.jit(make_setup_step(method, program.round_config,
+                                           mesh=mesh))
+      state = setup_step(state, data, server_data)
+      jax.block_until_ready(state)
+      logging.info('setup step (e.g. local warm-up of every client) took '
+                   '%.1fs', time.perf_counter() - t0)
   start_round = int(state.round)
   metrics_path = os.path.join(workdir, 'metrics.jsonl')
   missing_metrics = start_round > 0 and not os.path.lexists(metrics_path)
@@ -706,6 +821,7 @@ def _run_locked(config: dict[str, Any], program: Program,
     state, metrics = compiled(state, data, server_data)
     metrics = jax.device_get(metrics)
     seconds = time.perf_counter() - t0
+    clients = client_rows(metrics.pop('clients', None))
     nonfinite = bool(metrics['nonfinite_model'])
     if nonfinite and on_divergence == 'skip_round':
       skipped.append(rnd)
@@ -735,6 +851,9 @@ def _run_locked(config: dict[str, Any], program: Program,
       row.update(evaluator(method.eval_models(state)))
       row.update(round_seconds=seconds, samples_per_second=samples / seconds)
       row.update({k: float(v) for k, v in metrics.items()})
+      if clients:
+        row['clients'] = clients
+        row['clients_auc'] = client_aucs(clients)
       if skipped:
         row['skipped_rounds'] = list(skipped)
       rows.append(row)
@@ -806,9 +925,11 @@ def _run_locked(config: dict[str, Any], program: Program,
   }
   workdir_lib.write_json(os.path.join(workdir, 'summary.json'), summary)
   if rows:
-    plot_curves(os.path.join(workdir, 'curves.png'), rows,
-                f"{config['method']} / {config['dataset']} / "
-                f"{config['cohorts'] or config['model']}")
+    title = (f"{config['method']} / {config['dataset']} / "
+             f"{config['cohorts'] or config['model']}")
+    plot_curves(os.path.join(workdir, 'curves.png'), rows, title)
+    if any('clients' in r for r in rows):
+      plot_clients(os.path.join(workdir, 'clients.png'), rows, title)
   if status == 'diverged':
     where = (f'round {diverged_at}' if diverged_at else
              f'round {int(state.round)}')
@@ -820,6 +941,40 @@ def _run_locked(config: dict[str, Any], program: Program,
         '--on_divergence=skip_round to drop such rounds. Summary: '
         f"{summary['files']['summary']}", summary)
   return summary
+
+
+def client_rows(per: dict[str, np.ndarray] | None
+                ) -> dict[str, list] | None:
+  """The arrived slots' per-client values as lists (JSON-ready)."""
+  if not per:
+    return None
+  keep = np.asarray(per['mask'], bool)
+  out = {'id': np.asarray(per['id'])[keep].astype(int).tolist(),
+         'malicious': np.asarray(per['malicious'])[keep].astype(bool)
+         .tolist()}
+  for name, values in per.items():
+    if name not in ('id', 'mask', 'malicious'):
+      out[name] = [float(v) for v in np.asarray(values)[keep]]
+  return out
+
+
+def client_aucs(clients: dict[str, list]) -> dict[str, float | None]:
+  """For each per-client score s: P(s of a malicious client > s of a
+  benign one), ties 1/2 (None without both kinds). For 'weight' it is the
+  chance an attacker outweighs a benign client (low is good); for SDFC's
+  T (fisher_discrepancy) high means T flags attackers."""
+  mal = np.asarray(clients['malicious'], bool)
+  out = {}
+  for name, values in clients.items():
+    if name in ('id', 'malicious'):
+      continue
+    v = np.asarray(values, np.float64)
+    if not mal.any() or mal.all() or not np.all(np.isfinite(v)):
+      out[name] = None
+      continue
+    diff = v[mal][:, None] - v[~mal][None, :]
+    out[name] = float(np.mean((diff > 0) + 0.5 * (diff == 0)))
+  return out
 
 
 def _fmt(value: float | None) -> str:

@@ -3,7 +3,7 @@ files.
 
 Files the runner writes (and the only ones --overwrite removes):
   config.json, client_histograms.json, metrics.jsonl, summary.json,
-  curves.png, checkpoints/, .lock, and their *.tmp siblings.
+  curves.png, clients.png, checkpoints/, .lock, and their *.tmp siblings.
 
 Every JSON file is strict JSON: a non-finite number is written as null and
 the row (or summary) gets a 'nonfinite' list naming the keys. Whole files
@@ -27,7 +27,8 @@ from absl import logging
 from fedrobust.checkpoint import write_atomic
 
 RUNNER_FILES = ('config.json', 'client_histograms.json', 'metrics.jsonl',
-                'summary.json', 'curves.png', 'checkpoints', '.lock')
+                'summary.json', 'curves.png', 'clients.png', 'checkpoints',
+                '.lock')
 
 
 class WorkdirError(ValueError):

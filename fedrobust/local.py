@@ -86,12 +86,6 @@ def gather_batch(data: LocalData, rows: jax.Array) -> tuple[jax.Array,
   return data.x[data.client_id, rows], data.y[data.client_id, rows]
 
 
-def normalize_images(x: jax.Array, mean: float = 0.5,
-                     std: float = 0.5) -> jax.Array:
-  """uint8 images -> float32 (x / 255 - mean) / std, on the device."""
-  return (x.astype(jnp.float32) / 255.0 - mean) / std
-
-
 def masked_cross_entropy(logits: jax.Array, labels: jax.Array,
                          mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Mean CE and accuracy over the unmasked examples (0 if none)."""
@@ -102,17 +96,15 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array,
   return jnp.sum(ce * m) / denom, jnp.sum(correct * m) / denom
 
 
-def classification_loss(apply_fn: Callable, *, image_mean: float = 0.5,
-                        image_std: float = 0.5) -> LossFn:
+def classification_loss(apply_fn: Callable) -> LossFn:
   """Masked cross-entropy of `apply_fn` on uint8 image batches.
 
-  apply_fn(params, x, *, train, key) is called with train=True and the
-  step's key (Model.apply's signature; dropout and other train-time
-  behaviour read them).
+  apply_fn(params, x_uint8, *, train, key) is Model.apply's signature: the
+  model's input pipeline preprocesses the stored images, and train=True and
+  the step's key reach train-time behaviour (random crops, dropout).
   """
   def loss_fn(params, x, y, example_mask, key):
-    logits = apply_fn(params, normalize_images(x, image_mean, image_std),
-                      train=True, key=key)
+    logits = apply_fn(params, x, train=True, key=key)
     loss, acc = masked_cross_entropy(logits, y, example_mask)
     return loss, {'train_loss': loss, 'train_accuracy': acc}
   return loss_fn

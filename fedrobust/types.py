@@ -116,6 +116,8 @@ class EvalModel(NamedTuple):
   cohort: int      # whose architecture (Model) evaluates it
   params: Params   # full params for that cohort's Model.apply
   clients: tuple[int, ...] | None = None
+  per_client: bool = False   # params has a leading axis, one model per
+                             # client of `clients` (private backbones)
 
 
 class Method(NamedTuple):
@@ -143,7 +145,14 @@ class Method(NamedTuple):
       metrics. Scalar info entries are logged.
   eval_models(state) -> tuple[EvalModel, ...] (host side, eager).
   provides: the keyword extras this method can hand an aggregator
-      ('weights', 'ids', 'coverage', 'staleness', 'scores').
+      ('weights', 'ids', 'coverage', 'staleness', 'scores', 'params').
+  client_setup, server_setup: optional one-off step before round 1
+      (engine.round.make_setup_step), e.g. each client's local warm-up
+      into a private backbone. client_setup(j, broadcast, client_state,
+      local, key, server_data) -> per-client tree, for ONE client of
+      cohort j (every member runs it); server_setup(state, results) ->
+      method_state, results a tuple over cohorts of (ids [K_j], mask,
+      stacked outputs).
   """
   name: str
   init: Callable[..., tuple[tuple[Params, ...], PyTree]]
@@ -153,3 +162,5 @@ class Method(NamedTuple):
   server_update: Callable[..., tuple[tuple[Params, ...], PyTree, Info]]
   eval_models: Callable[[ServerState], tuple[EvalModel, ...]]
   provides: frozenset = frozenset()
+  client_setup: Callable[..., PyTree] | None = None
+  server_setup: Callable[..., PyTree] | None = None

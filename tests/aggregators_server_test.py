@@ -23,6 +23,7 @@ from fedrobust.aggregators import fldetector as fldetector_lib
 from fedrobust.aggregators import lasa as lasa_lib
 from fedrobust.aggregators.finetune import make_server_sgd
 from fedrobust.aggregators.server_aided import SERVER_AIDED
+from fedrobust.models.pipelines import normalize
 
 NAMES = sorted(SERVER_AIDED)
 C = 4                    # real clients in the conformance rounds
@@ -34,6 +35,7 @@ V = 12
 
 def apply_fn(params, x, **unused):    # Model.apply's train/key: unused
   del unused
+  x = normalize(x, 0.5, 0.5)           # the native input pipeline
   return x.reshape(x.shape[0], -1) @ params['w'] + params['b'][None, :]
 
 

@@ -60,8 +60,9 @@ def compiled(name, f=F, slots=C, hparams=()):
   agg = aggregators.AGGREGATORS[name](num_byzantine=f, **dict(hparams))
 
   def aggregate(updates, mask, state, key, extras):
-    return aggregators.call_aggregator(agg, updates, mask, state, key,
-                                       coverage=None, **extras)
+    return aggregators.call_aggregator(
+        agg, updates, mask, state, key, coverage=None,
+        params=jax.tree.map(jnp.asarray, PARAMS), **extras)
 
   aggregate.__name__ = f'aggregate_{name}_f{f}_c{slots}_{hparams}'
   return agg, jax.jit(chex.assert_max_traces(aggregate, n=1))
@@ -174,7 +175,8 @@ class ConformanceTest(parameterized.TestCase):
     out_jit, state_jit, info_jit = run(name, x, mask)
     out, state, info = aggregators.call_aggregator(
         agg, stack(x), jnp.asarray(mask), agg.init(PARAMS), KEY,
-        coverage=None, **extras_of_rows(x))
+        coverage=None, params=jax.tree.map(jnp.asarray, PARAMS),
+        **extras_of_rows(x))
     chex.assert_trees_all_close(out, out_jit, atol=1e-6, rtol=1e-6)
     chex.assert_trees_all_close(state, state_jit, atol=1e-6, rtol=1e-6)
     chex.assert_trees_all_close(info, info_jit, atol=1e-6, rtol=1e-6)

@@ -31,11 +31,12 @@ class SettingsTest(absltest.TestCase):
 
   def test_settings_of_passes_factory_keywords(self):
     config = dict(config_lib.defaults(), sdfc_lambda=1.0,
-                  sdfc_fisher='batch_mean_squared')
+                  sdfc_fisher='released')
     self.assertEqual(config_lib.settings_of('sdfc', config),
                      {'lam': 1.0, 'components': 'both',
                       'importance': 'fisher', 'stiffness': 'diff',
-                      'fisher_mode': 'batch_mean_squared'})
+                      'fisher_mode': 'released', 'first_round': 'none',
+                      'weighting': 'sigmoid', 'diagnostics': False})
 
   def test_foreign_setting_is_refused(self):
     config = dict(config_lib.defaults(), method='fedavg', sdfc_lambda=1.0)

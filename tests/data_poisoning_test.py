@@ -39,6 +39,34 @@ class TriggerTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.sum(pieces, axis=0),
                                   dp.trigger_mask(trigger, SHAPE))
 
+  def test_sdfc_release_trigger_rows(self):
+    """The release's trigger: rows 0 and 2, columns 0-2 and 4-6."""
+    mask = dp.trigger_mask(dp.Trigger(pattern='sdfc_rows'), SHAPE)[..., 0]
+    expected = np.zeros(SHAPE[:2], bool)
+    for r in (0, 2):
+      for c in (0, 1, 2, 4, 5, 6):
+        expected[r, c] = True
+    np.testing.assert_array_equal(mask, expected)
+    corner = dp.trigger_mask(dp.Trigger(pattern='sdfc_rows',
+                                        location='bottom_right'), SHAPE)
+    rows, cols = np.nonzero(corner[..., 0])
+    self.assertEqual((rows.max(), cols.max()), (27, 27))
+    with self.assertRaisesRegex(ValueError, 'trigger_pattern'):
+      dp.trigger_mask(dp.Trigger(pattern='sdfc_rows'), SHAPE, piece=0,
+                      num_pieces=4)
+
+  def test_backdoor_eval_keeps_or_drops_target_images(self):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 255, (50, 28, 28, 1), dtype=np.uint8)
+    y = np.arange(50) % 10
+    kept, _ = dp.triggered_test_set(x, y, 'badnets', target_label=2)
+    every, labels = dp.triggered_test_set(x, y, 'badnets', target_label=2,
+                                          exclude_target=False)
+    self.assertLen(kept, 45)
+    self.assertLen(every, 50)
+    np.testing.assert_array_equal(labels, 2)
+    np.testing.assert_array_equal(every[:, 0, :6, 0], 255)
+
   def test_bad_trigger_flags(self):
     with self.assertRaisesRegex(ValueError, 'trigger_size'):
       dp.parse_trigger_size('2by6')

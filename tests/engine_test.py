@@ -14,6 +14,7 @@ from fedrobust.cohort import single_cohort
 from fedrobust.errors import SettingError
 from fedrobust.methods import get_method
 from fedrobust.models import Model
+from fedrobust.models.pipelines import normalize
 from fedrobust.transforms import identity
 from fedrobust.types import (Arrivals, ClientOutput, FederatedData,
                              LocalData)
@@ -30,6 +31,7 @@ def linear_model() -> Model:
 
   def apply(params, x, **unused):   # train, key: no train-time behaviour
     del unused
+    x = normalize(x, 0.5, 0.5)       # the native input pipeline
     return x.reshape(x.shape[0], -1) @ params['w'] + params['b'][None, :]
 
   return Model('linear', init, apply, IMAGE, NUM_CLASSES)

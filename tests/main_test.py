@@ -252,6 +252,42 @@ class EndToEndTest(IdxDataTestCase):
         train.run(base_config(self.data_dir,
                               self.create_tempdir().full_path, **config))
 
+  def test_horus_and_a_baseline_share_the_lora_pipeline(self):
+    horus = dict(method='horus', cohorts='mlp:0.5,row_lstm:0.5',
+                 clients_per_round=0, transform='lora',
+                 lora_targets='first,head', lora_ranks='4',
+                 cohort_share='first,head', warmup_epochs=1,
+                 local_test_fraction=0.2, global_test_per_class=5,
+                 attack='lie', malicious_fraction=0.25, num_rounds=2)
+    summary = train.run(base_config(self.data_dir,
+                                    self.create_tempdir().full_path,
+                                    **horus))
+    self.assertEqual(summary['resolved']['aggregator'], 'horus')
+    row = summary['final']
+    self.assertIn('shared/threshold', row)    # the rule's info is logged
+    self.assertLen(row['clients']['hops'], 4)  # HOPS per client
+    self.assertEqual(len(row['clients']['id']), 4)
+    for key in ('test_accuracy/mlp', 'test_accuracy/row_lstm',
+                'local_accuracy'):
+      self.assertTrue(np.isfinite(row[key]), key)
+    # LoRA-A/B of 'first' and 'head' only: rank 4 on mlp's 784 -> 200 and
+    # 200 -> 4 x 4, and the LSTM's 28 -> 512 and 128 -> 4 ... far below the
+    # full models.
+    for name, cohort in summary['cohorts'].items():
+      self.assertLess(cohort['upload_bytes_per_client']['rank=4'],
+                      cohort['full_model_bytes'] / 10, name)
+    baseline = train.run(base_config(
+        self.data_dir, self.create_tempdir().full_path,
+        **dict(horus, method='fedavg', aggregator='median')))
+    self.assertEqual(baseline['resolved']['aggregator'], 'median')
+    self.assertTrue(np.isfinite(baseline['final']['test_accuracy']))
+
+  def test_fedala_personalises_per_client(self):
+    summary = train.run(base_config(
+        self.data_dir, self.create_tempdir().full_path, method='fedala',
+        clients_per_round=0, num_rounds=2, fedala_first_epochs=1))
+    self.assertTrue(np.isfinite(summary['final']['local_accuracy']))
+
   def test_changed_config_is_refused_unless_overwrite(self):
     workdir = self.create_tempdir().full_path
     train.run(base_config(self.data_dir, workdir, num_rounds=1))
@@ -304,6 +340,14 @@ class EndToEndTest(IdxDataTestCase):
     self.assertEqual(last['det_tp'] + last['det_fp'], 7.0)
     self.assertEqual(last['cumulative_det_tp'] + last['cumulative_det_fp'],
                      14.0)
+    # Per-client rows: who attacked, the weight each got (Krum: one 1).
+    clients = last['clients']
+    self.assertEqual(len(clients['id']), 8)
+    self.assertEqual(sum(clients['malicious']), 2)
+    self.assertEqual(sum(w > 0 for w in clients['weight']), 1)
+    self.assertIn('train_loss', clients)
+    auc = last['clients_auc']['weight']
+    self.assertTrue(0.0 <= auc <= 1.0)
     # weight_* are mean shares of the aggregation weight: 2 attackers and
     # 6 benign clients' shares add up to 1.
     self.assertAlmostEqual(2 * last['weight_malicious']

@@ -27,7 +27,7 @@ from fedrobust.cohort import single_cohort
 from fedrobust.methods import METHODS, get_method
 from fedrobust.transforms import identity, lora
 from fedrobust.types import Arrivals, LocalData
-from tests.engine_test import IMAGE, NUM_CLASSES, linear_model, toy_data
+from tests.engine_test import IMAGE, NUM_CLASSES, toy_data
 
 K = 4
 CASES = [(name, 'plain') for name in sorted(METHODS)] + [
@@ -37,13 +37,13 @@ CASES = [(name, 'plain') for name in sorted(METHODS)] + [
 @functools.lru_cache(maxsize=None)
 def case(name, variant):
   """(method, jitted round, initial state, data, server_data)."""
+  model = models.get_model('mlp', num_classes=NUM_CLASSES,
+                           input_shape=IMAGE, hidden=(5,))
   if variant == 'lora':
-    model = models.get_model('mlp', num_classes=NUM_CLASSES,
-                             input_shape=IMAGE, hidden=(5,))
     transform = lora(model, ranks=(1, 2), targets=('all',))
     specs = (1.0, 2.0, 2.0, 1.0)
   else:
-    model, transform, specs = linear_model(), identity(linear_model()), ()
+    transform, specs = identity(model), ()
   cohorts = single_cohort(model, transform, K, K, specs)
   local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=2)
   method = get_method(name, cohorts=cohorts, local=local,

@@ -127,6 +127,43 @@ class RegistryTest(parameterized.TestCase):
       head = model.roles['head'].split('/')[-1]
       self.assertEqual(model.width_units[head]['kernel'][-1], 0)
 
+  def test_sdfc_release_pipeline_and_model(self):
+    model = models.get_model('simple_cnn_release', num_classes=10,
+                             input_shape=(28, 28, 1),
+                             pipeline='sdfc_release')
+    params = model.init(jax.random.key(0))
+    # 32x32 inputs: 32 -> 28 -> 14 -> 10 -> 5, a 16 * 5 * 5 = 400 flatten.
+    self.assertEqual(params['Dense_0']['kernel'].shape, (400, 120))
+    x = jax.random.randint(jax.random.key(1), (3, 28, 28, 1), 0, 256,
+                           jnp.int32).astype(jnp.uint8)
+    evaluation = model.apply(params, x)
+    chex.assert_trees_all_equal(evaluation, model.apply(params, x))
+    a = model.apply(params, x, train=True, key=jax.random.key(2))
+    b = model.apply(params, x, train=True, key=jax.random.key(3))
+    self.assertFalse(np.allclose(a, b))          # random crops differ
+    from fedrobust.models import pipelines  # pylint: disable=g-import-not-at-top
+    prepared = pipelines.sdfc_release().prepare(jnp.full((1, 28, 28, 1),
+                                                         255, jnp.uint8))
+    chex.assert_shape(prepared, (1, 32, 32, 1))
+    np.testing.assert_allclose(prepared, (1 - 0.1307) / 0.3081, rtol=1e-5)
+    crop = pipelines.random_crop(jnp.ones((2, 4, 4, 1)), jax.random.key(0),
+                                 2)
+    chex.assert_shape(crop, (2, 4, 4, 1))
+
+  def test_release_cnn_has_no_relu_after_fc256(self):
+    kw = dict(num_classes=10, input_shape=(28, 28, 1))
+    paper = models.get_model('simple_cnn', **kw)
+    release = models.get_model('simple_cnn_release', **kw)
+    params = paper.init(jax.random.key(0))
+    # Make fc256's pre-activations negative: the paper's ReLU zeroes them
+    # (logits = the last bias), the release's identity does not.
+    params['Dense_3']['bias'] = -1e3 * jnp.ones(256)
+    params['Dense_4']['bias'] = jnp.arange(10.0)
+    x = jnp.zeros((1, 28, 28, 1), jnp.uint8)
+    np.testing.assert_allclose(paper.apply(params, x)[0], jnp.arange(10.0))
+    self.assertFalse(np.allclose(release.apply(params, x)[0],
+                                 jnp.arange(10.0)))
+
   def test_unknown_model_names_flag(self):
     with self.assertRaisesRegex(ValueError, 'model.*simple_cnn'):
       models.get_model('resnet9000', num_classes=10, input_shape=(28, 28, 1))

@@ -55,19 +55,39 @@ class FisherTest(parameterized.TestCase):
     np.testing.assert_allclose(got['b'], stat(gb).mean(0), rtol=1e-4,
                                atol=1e-7)
 
-  def test_batch_mean_squared_matches_numpy(self):
-    gw, gb = numpy_grads(self.params, self.x.reshape(8, 2, 2, 1),
-                         self.y.reshape(8))
-    m = np.asarray(self.mask).reshape(8)
-    batches = [np.arange(4), np.arange(4, 8)]
-    ew = np.mean([np.square(gw[i][m[i]].mean(0)) for i in batches], axis=0)
-    eb = np.mean([np.square(gb[i][m[i]].mean(0)) for i in batches], axis=0)
+  @parameterized.parameters('fisher', 'abs_grad')
+  def test_released_estimator_matches_numpy_transcription(self, importance):
+    """The release (PrevAbsFedFish.py), transcribed literally: per batch,
+    pre = log_softmax(model(x)); L = pre[:, label].mean() over the B x B
+    matrix of log p(y_j | x_i); the batch gradients are averaged over the
+    batches and squared (or |.|) after averaging."""
+    w = np.asarray(self.params['w'], np.float64)
+    b = np.asarray(self.params['b'], np.float64)
+    x = np.asarray(self.x, np.float64).reshape(2, 4, -1)
+    y = np.asarray(self.y)
+    m = np.asarray(self.mask)
+    grads_w, grads_b = [], []
+    for t in range(2):
+      xs = (x[t][m[t]] / 255 - 0.5) / 0.5          # the real examples
+      ys = y[t][m[t]]
+      z = xs @ w + b
+      p = np.exp(z - z.max(1, keepdims=True))
+      p /= p.sum(1, keepdims=True)
+      n = len(ys)
+      # d/dz_i of mean_{i,j} log p(y_j | x_i) = (1/n^2) sum_j (e_{y_j} - p_i)
+      dz = np.stack([(np.eye(NUM_CLASSES)[ys] - p[i]).sum(0)
+                     for i in range(n)]) / n ** 2
+      grads_w.append(xs.T @ dz)
+      grads_b.append(dz.sum(0))
+    stat = np.square if importance == 'fisher' else np.abs
     got = fisher_diagonal(self.model.apply, self.params, self.x, self.y,
-                          self.mask, mode='batch_mean_squared')
-    np.testing.assert_allclose(got['w'], ew, rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(got['b'], eb, rtol=1e-4, atol=1e-7)
+                          self.mask, mode='released', importance=importance)
+    np.testing.assert_allclose(got['w'], stat(np.mean(grads_w, 0)),
+                               rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(got['b'], stat(np.mean(grads_b, 0)),
+                               rtol=1e-4, atol=1e-9)
 
-  @parameterized.product(mode=('per_example', 'batch_mean_squared'),
+  @parameterized.product(mode=('per_example', 'released'),
                           importance=('fisher', 'abs_grad'))
   def test_empty_batches_change_nothing(self, mode, importance):
     # Padding batches (a smaller client's tail) are skipped, not counted.
@@ -109,6 +129,14 @@ class FDAggTest(absltest.TestCase):
     w = fdagg_weights(jnp.array([3.0, 3.0, 3.0, 3.0]), jnp.ones(4, bool))
     np.testing.assert_allclose(w, 0.25)
 
+  def test_softmax_weighting_of_the_release_by_hand(self):
+    totals = jnp.array([2.0, 6.0, 4.0, 99.0])
+    mask = jnp.array([True, True, True, False])
+    e = np.exp(-np.array([0.0, 1.0, 0.5]))      # softmax(-T^)
+    np.testing.assert_allclose(
+        fdagg_weights(totals, mask, 'softmax'),
+        np.concatenate([e / e.sum(), [0.0]]), rtol=1e-6)
+
 
 class FDRegTest(absltest.TestCase):
 
@@ -146,6 +174,56 @@ class FDRegTest(absltest.TestCase):
     chex.assert_trees_all_close(
         out.delta, jax.tree.map(lambda g: -lr * g, ce_grad), rtol=1e-5,
         atol=1e-7)
+
+
+class FirstRoundTest(absltest.TestCase):
+
+  def test_anchor_init_penalises_from_the_first_participation(self):
+    """anchor_init (the release): at a client's first participation H is
+    taken at the incoming model w0, which is also the anchor. Two SGD steps:
+    step 1 has zero penalty (w = w0), step 2 has lam sum H0 (w1 - w0)^2."""
+    model = linear_model()
+    data = toy_data([8], 8, seed=2)
+    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=2)
+    lr, lam = 0.1, 5.0
+    v = toy_data([8], 8, seed=9)           # U differs from the client's data
+    u = {'validation': (v.x[0].reshape(2, 4, 2, 2, 1),
+                        v.y[0].reshape(2, 4), jnp.ones((2, 4), bool))}
+    params = model.init(jax.random.key(0))
+    fresh = SDFCClientState(jax.tree.map(jnp.zeros_like, params),
+                            jax.tree.map(jnp.zeros_like, params),
+                            jnp.bool_(False))
+    outs = {}
+    for first_round in ('none', 'anchor_init'):
+      method = get_method('sdfc', cohorts=single_cohort(
+          model, identity(model), 1, 1), local=local,
+                          optimizer=engine.sgd(learning_rate=lr), lam=lam,
+                          first_round=first_round)
+      outs[first_round] = jax.jit(functools.partial(method.client_update,
+                                                    0))(
+          params, fresh, LocalData(data.x, data.y, jnp.int32(0),
+                                   data.count[0]), jax.random.key(1), u)
+    self.assertEqual(float(outs['none'].metrics['fdreg_penalty']), 0.0)
+    # H0 at w0 on the client's data (one pass in order) and on U.
+    xs, ys = data.x[0].reshape(2, 4, 2, 2, 1), data.y[0].reshape(2, 4)
+    mask = jnp.ones((2, 4), bool)
+    h0 = jax.tree.map(lambda a, v: jnp.abs(a - v),
+                      fisher_diagonal(model.apply, params, xs, ys, mask),
+                      fisher_diagonal(model.apply, params, *u['validation']))
+    # w1: the first step of the same batch plan (plain CE, zero penalty).
+    plan = engine.make_batch_plan(jax.random.split(jax.random.key(1))[0],
+                                  data.count[0], config=local)
+    rows = plan.index[0]
+    g = jax.grad(lambda p: classification_loss(model.apply)(
+        p, data.x[0][rows], data.y[0][rows], jnp.ones(4, bool),
+        None)[0])(params)
+    w1 = jax.tree.map(lambda p, gg: p - lr * gg, params, g)
+    penalty2 = sum(float(jnp.sum(h * jnp.square(a - b))) for h, a, b in zip(
+        jax.tree.leaves(h0), jax.tree.leaves(w1), jax.tree.leaves(params)))
+    np.testing.assert_allclose(
+        float(outs['anchor_init'].metrics['fdreg_penalty']),
+        (0.0 + penalty2) / 2, rtol=1e-4)
+    self.assertGreater(penalty2, 0.0)
 
 
 if __name__ == '__main__':

@@ -161,6 +161,29 @@ class WidthTest(parameterized.TestCase):
         full.apply(embed(narrow_params, cov), x),
         narrow.apply(narrow_params, x), rtol=1e-5, atol=1e-5)
 
+  def test_fjord_trains_a_drawn_prefix_no_wider_than_the_client(self):
+    model = tiny('mlp', hidden=(8, 6))
+    params = model.init(jax.random.key(0))
+    t = transforms.width(model, ratios=(0.25, 0.5, 1.0),
+                         ordered_dropout=True)
+    x = images(model)
+    spec = jnp.float32(0.5)
+    owned = transforms.masked(params, t.coverage(params, spec, 0))
+    prefix = {p: model.apply(transforms.masked(
+        params, t.coverage(params, jnp.float32(p), 0)), x)
+              for p in (0.25, 0.5, 1.0)}
+    seen = set()
+    for k in range(12):
+      out = t.apply((), owned, x, spec=spec, train=True,
+                    key=jax.random.key(k))
+      hits = [p for p, ref in prefix.items() if np.allclose(out, ref,
+                                                             atol=1e-6)]
+      self.assertLen(hits, 1)
+      seen.add(hits[0])
+    self.assertEqual(seen, {0.25, 0.5})          # never wider than 0.5
+    chex.assert_trees_all_close(t.apply((), owned, x, spec=spec),
+                                prefix[0.5], atol=1e-6)   # evaluation
+
   def test_coverage_prefix_rolling_and_full(self):
     model = tiny('mlp', hidden=(8, 6))
     params = model.init(jax.random.key(0))

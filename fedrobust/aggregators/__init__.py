@@ -16,6 +16,7 @@ from typing import Callable
 
 from fedrobust.aggregators import coordinatewise
 from fedrobust.aggregators import dnc as dnc_lib
+from fedrobust.aggregators import horus as horus_lib
 from fedrobust.aggregators import krum as krum_lib
 from fedrobust.aggregators import mean as mean_lib
 from fedrobust.aggregators import robust_mean
@@ -38,6 +39,7 @@ AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     'centered_clipping': robust_mean.centered_clipping,
     'norm_bounding': robust_mean.norm_bounding,
     'dnc': dnc_lib.dnc,
+    'horus': horus_lib.horus,
 }
 
 # Minimum clients per round, per rule: (inequality, f -> min n).

@@ -17,6 +17,8 @@ declared (a rule that reads nothing keeps the 4-argument form):
             clients); None means every client owns every coordinate
   staleness int32[C]    rounds since the broadcast the update started from
   scores    float32[C]  method-side suspicion scores (SDFC's T_k)
+  params    one client's tree: the current global values of what is being
+            aggregated (Horus scores a client's values, params + update)
 A rule that does not read `coverage` sees updates that are zero outside a
 client's coverage (the aligned, zero-padded form Horus Sec. V-C uses).
 
@@ -35,7 +37,7 @@ from fedrobust.errors import SettingError
 Updates = Any
 AggState = Any
 Info = dict[str, jax.Array]
-EXTRAS = ('weights', 'ids', 'coverage', 'staleness', 'scores')
+EXTRAS = ('weights', 'ids', 'coverage', 'staleness', 'scores', 'params')
 
 
 class Aggregator(NamedTuple):

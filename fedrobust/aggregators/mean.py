@@ -220,15 +220,20 @@ def weighted_mean(*, num_byzantine: int = 0,
   return Aggregator(stateless_init, aggregate, reads=reads)
 
 
-FDAGG_WEIGHTINGS = ('sigmoid',)
+FDAGG_WEIGHTINGS = ('sigmoid', 'softmax')
 
 
-def fdagg_weights(totals: jax.Array, mask: jax.Array) -> jax.Array:
+def fdagg_weights(totals: jax.Array, mask: jax.Array,
+                  weighting: str = 'sigmoid') -> jax.Array:
   """SDFC Eq. 10: sigmoid(-minmax(T)) normalised over the real clients.
+
+  With weighting='softmax' (the released code): softmax(-minmax(T)) over
+  the real clients, i.e. exp(-T^) normalised.
 
   Args:
     totals: float[C], T_k = sum_v H_{k,v}.
     mask: bool[C].
+    weighting: 'sigmoid' (the paper) or 'softmax' (the release).
 
   Returns:
     float[C] summing to 1 over the mask (0 on masked slots and on clients
@@ -241,11 +246,14 @@ def fdagg_weights(totals: jax.Array, mask: jax.Array) -> jax.Array:
   span = hi - lo
   normed = jnp.where(span > 0, (totals - lo) / jnp.where(span > 0, span, 1.0),
                      0.0)
-  score = jnp.where(finite, jax.nn.sigmoid(-normed), 0.0)
+  score = (jax.nn.sigmoid(-normed) if weighting == 'sigmoid' else
+           jnp.exp(-normed))
+  score = jnp.where(finite, score, 0.0)
   return score / jnp.maximum(jnp.sum(score), 1e-12)
 
 
-def fdagg(*, num_byzantine: int = 0) -> Aggregator:
+def fdagg(*, num_byzantine: int = 0, weighting: str = 'sigmoid'
+          ) -> Aggregator:
   """SDFC's Fisher-discrepancy aggregation (FDAgg, SDFC Eq. 10).
 
   alpha_k = sigmoid(-T^_k) / sum_j sigmoid(-T^_j), T^ the min-max
@@ -255,16 +263,21 @@ def fdagg(*, num_byzantine: int = 0) -> Aggregator:
 
   Args:
     num_byzantine: ignored (uniform interface).
+    weighting: 'sigmoid' (the paper's Eq. 10) or 'softmax' (the released
+      code).
 
   Returns:
     An Aggregator; info['weights'] is alpha (0 on masked slots).
   """
   check_num_byzantine('fdagg', num_byzantine)
+  if weighting not in FDAGG_WEIGHTINGS:
+    raise setting('fdagg', 'weighting', f'{weighting!r}; expected one of '
+                  f'{FDAGG_WEIGHTINGS}')
 
   def aggregate(updates, mask, state, key, *, scores, coverage=None):
     del key
     mask = jnp.asarray(mask, bool)
-    weights = fdagg_weights(scores, mask)
+    weights = fdagg_weights(scores, mask, weighting)
     update = covered_weighted_mean(updates, weights, mask, coverage)
     return update, state, {'weights': weights}
 

@@ -49,7 +49,6 @@ import optax
 from fedrobust.aggregators.base import Aggregator
 from fedrobust.aggregators.finetune import (ApplyFn, check_server_data,
                                             finite_clients, select_rows)
-from fedrobust.local import normalize_images
 from fedrobust.tree import ravel_clients, tree_add, unravel_like
 
 Params = Any
@@ -90,7 +89,7 @@ def sageflow(*, num_byzantine: int, server_data: Any, apply_fn: ApplyFn,
                      f'{entropy_threshold}')
   if delta < 0:
     raise ValueError(f'sageflow: delta must be >= 0, got {delta}')
-  images = normalize_images(x)
+  images = x      # Model.apply preprocesses the stored images
 
   def evaluate(model):
     logp = jax.nn.log_softmax(apply_fn(model, images).astype(jnp.float32))

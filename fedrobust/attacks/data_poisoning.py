@@ -31,6 +31,13 @@ TRIGGER_LOCATIONS = ('top_left', 'top_right', 'bottom_left', 'bottom_right',
                      'center')
 
 
+# Trigger layouts. 'block' is a solid height x width patch; 'sdfc_rows' is
+# the SDFC release's trigger: rows 0 and 2 at columns 0-2 and 4-6 of a 3 x 7
+# box (12 pixels), whatever height and width say.
+TRIGGER_PATTERNS = ('block', 'sdfc_rows')
+_SDFC_ROWS = ((0, 2), (0, 1, 2, 4, 5, 6))
+
+
 class Trigger(NamedTuple):
   """A patch trigger: static geometry and value."""
   height: int = 2
@@ -38,9 +45,15 @@ class Trigger(NamedTuple):
   location: str = 'top_left'
   value: int = 255
   margin: int = 0
+  pattern: str = 'block'
+
+  def extent(self) -> tuple[int, int]:
+    if self.pattern == 'sdfc_rows':
+      return 3, 7
+    return self.height, self.width
 
   def origin(self, image_h: int, image_w: int) -> tuple[int, int]:
-    h, w, m = self.height, self.width, self.margin
+    (h, w), m = self.extent(), self.margin
     return {
         'top_left': (m, m),
         'top_right': (m, image_w - w - m),
@@ -70,14 +83,25 @@ def trigger_mask(trigger: Trigger, image_shape: tuple[int, ...], *,
   DBA splits the patch along its width into `num_pieces` contiguous pieces.
   """
   h_img, w_img = image_shape[:2]
-  if (trigger.height + trigger.margin > h_img or
-      trigger.width + trigger.margin > w_img):
-    raise SettingError('trigger_size', f'{trigger.height}x{trigger.width} '
-                       f'does not fit a {h_img}x{w_img} image')
+  height, width = trigger.extent()
+  if height + trigger.margin > h_img or width + trigger.margin > w_img:
+    raise SettingError('trigger_size', f'{height}x{width} does not fit a '
+                       f'{h_img}x{w_img} image')
   if trigger.location not in TRIGGER_LOCATIONS:
     raise SettingError('trigger_location', f'{trigger.location!r}; expected '
                        f'one of {TRIGGER_LOCATIONS}')
+  if trigger.pattern not in TRIGGER_PATTERNS:
+    raise SettingError('trigger_pattern', f'{trigger.pattern!r}; expected '
+                       f'one of {TRIGGER_PATTERNS}')
   top, left = trigger.origin(h_img, w_img)
+  if trigger.pattern == 'sdfc_rows':
+    if piece is not None:
+      raise SettingError('trigger_pattern', "DBA splits a 'block' trigger; "
+                         "'sdfc_rows' has no pieces")
+    mask = np.zeros((h_img, w_img, 1), bool)
+    rows, cols = _SDFC_ROWS
+    mask[np.ix_([top + r for r in rows], [left + c for c in cols])] = True
+    return mask
   cols = np.arange(trigger.width)
   if piece is not None:
     cols = np.array_split(cols, num_pieces)[piece]
@@ -186,14 +210,20 @@ def _check_fraction(fraction: float) -> None:
 
 def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,
                        target_label: int, trigger: Trigger = Trigger(),
-                       alpha: float = 0.2, seed: int = 0
+                       alpha: float = 0.2, seed: int = 0,
+                       exclude_target: bool = True
                        ) -> tuple[np.ndarray, np.ndarray]:
-  """Host-side: the test images of other classes with the FULL trigger.
+  """Host-side: the test images with the FULL trigger, labelled target.
+
+  With exclude_target (default) only images whose true class is not the
+  target count; without it (the SDFC release's R) target-class images stay
+  in, so a model that ignores the trigger still "succeeds" on them (ASR
+  floors near 1/num_classes and R tops out near 90%).
 
   Returns (x uint8[M', ...], y = target_label int32[M']); accuracy of the
   global model on it is the attack success rate.
   """
-  keep = y != target_label
+  keep = (y != target_label) if exclude_target else np.ones(len(y), bool)
   x = x[keep].copy()
   if poison_name in ('badnets', 'dba'):
     mask = trigger_mask(trigger, x.shape[1:])

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fedrobust.data.partition import class_histograms, partition
+from fedrobust.errors import SettingError
 from fedrobust.data.sources import Dataset
 from fedrobust.data.splits import local_train_test_split, make_server_splits
 from fedrobust.engine.evaluate import pad_to_batches
@@ -94,12 +95,15 @@ def build_federated_setup(dataset: Dataset, *, num_clients: int,
                           validation_fraction: float = 0.0,
                           validation_size: int = 0, public_size: int = 0,
                           local_test_fraction: float = 0.0,
-                          eval_batch_size: int = 500) -> FederatedSetup:
+                          eval_batch_size: int = 500,
+                          global_test_per_class: int = 0) -> FederatedSetup:
   """Splits, partitions and stacks a dataset for a federated run.
 
   Order: server splits (validation reserve, public set) are carved from the
   training split first; the rest is partitioned over the clients; each
-  client's part is then split into local train and local test.
+  client's part is then split into local train and local test. With
+  global_test_per_class > 0 the global test set is a seeded, class-balanced
+  sample of that many test images per class (Horus's global test set).
   """
   server = make_server_splits(dataset.train_y,
                               validation_fraction=validation_fraction,
@@ -114,13 +118,24 @@ def build_federated_setup(dataset: Dataset, *, num_clients: int,
   train_parts, test_parts = local_train_test_split(
       parts, test_fraction=local_test_fraction, seed=seed)
   y = dataset.train_y.astype(np.int32)
+  test_x, test_y = dataset.test_x, dataset.test_y.astype(np.int32)
+  if global_test_per_class:
+    rng = np.random.default_rng(seed + 3)
+    keep = []
+    for c in range(dataset.num_classes):
+      rows = np.flatnonzero(test_y == c)
+      if len(rows) < global_test_per_class:
+        raise SettingError('global_test_per_class', f'class {c} has only '
+                           f'{len(rows)} test images, fewer than '
+                           f'{global_test_per_class}')
+      keep.append(rng.choice(rows, global_test_per_class, replace=False))
+    keep = np.sort(np.concatenate(keep))
+    test_x, test_y = test_x[keep], test_y[keep]
   return FederatedSetup(
       train=stack_clients(dataset.train_x, y, train_parts),
       local_test=stack_eval_sets(dataset.train_x, y, test_parts,
                                  eval_batch_size),
-      test=EvalSet(*pad_to_batches(dataset.test_x,
-                                   dataset.test_y.astype(np.int32),
-                                   eval_batch_size)),
+      test=EvalSet(*pad_to_batches(test_x, test_y, eval_batch_size)),
       validation_x=dataset.train_x[server.validation],
       validation_y=y[server.validation],
       public_x=dataset.train_x[server.public],

@@ -9,5 +9,6 @@ from fedrobust.local import (LocalConfig, classification_loss,
                                     make_batch_plan, sgd, train_steps)
 from fedrobust.engine.round import (CohortSlots, RoundConfig, Threat,
                                     init_server_state, make_round_step,
-                                    sample_clients, sample_cohort)
+                                    make_setup_step, sample_clients,
+                                    sample_cohort)
 from fedrobust.types import Method

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedrobust.local import normalize_images
 
 Params = Any
 
@@ -43,7 +42,7 @@ def evaluate(apply_fn: Callable, params: Params, x: jax.Array, y: jax.Array,
   """
   def batch_stats(batch):
     xb, yb, mb = batch
-    logits = apply_fn(params, normalize_images(xb))
+    logits = apply_fn(params, xb)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
     correct = jnp.argmax(logits, -1) == yb
     return (jnp.sum(jnp.where(mb, correct, False)).astype(jnp.float32),

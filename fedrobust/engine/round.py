@@ -293,10 +293,55 @@ def all_finite(tree: PyTree) -> jax.Array:
                             for leaf in jax.tree.leaves(tree)]))
 
 
+def make_setup_step(method: Method, config: RoundConfig, *,
+                    mesh: Mesh | None = None) -> Callable:
+  """setup_step(state, data, server_data) -> state: the method's one-off
+  step before round 1 (Method.client_setup for every member of every
+  cohort, then Method.server_setup), run like a round's clients (the
+  execution strategy and the device mesh apply). A client's key is
+  fold_in(state key, id), and the state's key does not advance, so a run
+  with a setup step and one resumed after it match bitwise."""
+  if method.client_setup is None:
+    raise SettingError('method', f'{method.name!r} has no setup step')
+  cohorts = config.cohort_slots()
+
+  def client_fn(j):
+    def one(per_client, shared):
+      client_id, key_data, client_state = per_client
+      broadcast, data, server_data = shared
+      local = LocalData(data.x, data.y, client_id, data.count[client_id])
+      return method.client_setup(j, broadcast, client_state, local,
+                                 jax.random.wrap_key_data(key_data),
+                                 server_data)
+    return one
+
+  def setup_step(state: ServerState, data: FederatedData,
+                 server_data: PyTree = ()):
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5E7)
+    results = []
+    for j, slots in enumerate(cohorts):
+      everyone = CohortSlots(slots.members, len(slots.members))
+      ids, mask = sample_cohort(key, everyone, config.padded(
+          len(slots.members)))
+      keys = jax.vmap(lambda i: jax.random.key_data(
+          jax.random.fold_in(key, i)))(ids)
+      client_state = method.client_state(state.method_state, j, ids)
+      outputs = run_clients(client_fn(j), (ids, keys, client_state),
+                            (method.broadcast(state, j), data, server_data),
+                            strategy=config.strategy,
+                            chunk_size=config.chunk_size, mesh=mesh)
+      results.append((ids, mask, outputs))
+    return state._replace(method_state=method.server_setup(state,
+                                                           tuple(results)))
+
+  return setup_step
+
+
 def make_round_step(method: Method, config: RoundConfig, *,
                     mesh: Mesh | None = None,
                     threat: Threat | None = None,
-                    skip_nonfinite: bool = False) -> Callable:
+                    skip_nonfinite: bool = False,
+                    log_clients: bool = False) -> Callable:
   """Builds round_step(state, data, server_data) -> (state, metrics).
 
   Every round reports metrics['nonfinite_model'] (1.0 when the new global
@@ -312,6 +357,11 @@ def make_round_step(method: Method, config: RoundConfig, *,
     skip_nonfinite: drop a round whose new global params are not finite:
       the state keeps its params, method state and in-flight updates, and
       only the round counter and the key advance.
+    log_clients: also return metrics['clients'], per arrival slot (all
+      cohorts, concatenated): 'id', 'mask' (arrived), 'malicious', the
+      aggregation 'weight' (when the method reports weights) and every
+      per-client metric of the arriving updates (SDFC's T_k is
+      'fisher_discrepancy').
 
   Returns:
     A pure function; jit it with donate_argnums=0.
@@ -427,10 +477,25 @@ def make_round_step(method: Method, config: RoundConfig, *,
                                          ).astype(jnp.float32)
     info = dict(info)
     weights = info.pop('weights', None)
+    per_client_info = info.pop('per_client', {})
     if weights is not None:
       metrics.update(weight_metrics(
           jnp.concatenate(weights), jnp.concatenate(arrival_mal),
           jnp.concatenate([a.mask for a in arrivals])))
+    if log_clients:
+      cat = lambda values: jnp.concatenate(list(values))
+      per = {'id': cat(a.ids for a in arrivals),
+             'mask': cat(a.mask for a in arrivals),
+             'malicious': cat(arrival_mal)}
+      if weights is not None:
+        per['weight'] = cat(weights)
+      shared = set.intersection(*(set(a.outputs.metrics) for a in arrivals))
+      for name in sorted(shared):
+        per[name] = cat(a.outputs.metrics[name] for a in arrivals)
+      for name, values in per_client_info.items():
+        if values.shape == per['id'].shape:
+          per[name] = values
+      metrics['clients'] = per
     metrics.update({k: v for k, v in info.items() if jnp.ndim(v) == 0})
     new_pending = (AsyncState(tuple(buffers), busy_until)
                    if delay is not None else state.pending)

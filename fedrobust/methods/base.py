@@ -14,6 +14,7 @@ plus its declared settings by their `kwarg`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -22,7 +23,7 @@ import optax
 
 from fedrobust.aggregators.base import Aggregator, call_aggregator
 from fedrobust.cohort import (Cohort, align_stacked, aligned_shapes,
-                              join_roles, split_roles, trim_to)
+                              join_roles, pad_to, split_roles, trim_to)
 from fedrobust.errors import SettingError
 from fedrobust.local import LocalConfig, classification_loss, local_sgd
 from fedrobust.settings import Setting
@@ -45,6 +46,9 @@ class MethodSpec(NamedTuple):
     bare run uses (FedAvg: weighted_mean; SDFC: fdagg).
   validate: (settings dict, aggregator name) -> None; raises SettingError
     for combinations the method refuses.
+  aggregator_defaults: (settings dict, aggregator name) -> keyword
+    defaults for the aggregator's factory (SDFC's 'weighting' reaches
+    fdagg this way); explicit --aggregator_kwargs win.
   cohorts: whether the method accepts several cohorts and non-identity
     transforms.
   """
@@ -54,6 +58,7 @@ class MethodSpec(NamedTuple):
   server_data: tuple[str, ...] = ()
   default_aggregator: Callable[[dict], str] = lambda s: 'weighted_mean'
   validate: Callable[[dict, str], None] = lambda s, a: None
+  aggregator_defaults: Callable[[dict, str], dict] = lambda s, a: {}
   cohorts: bool = True
 
 
@@ -63,7 +68,8 @@ def server_step(params: Params, update: Params, server_lr: float) -> Params:
 
 
 def extras_of(arrivals: Arrivals, **more) -> dict[str, Any]:
-  """The aggregator keyword extras a cohort's arrivals carry."""
+  """The aggregator keyword extras a cohort's arrivals carry (plus `more`,
+  e.g. params or scores)."""
   return dict(weights=arrivals.outputs.weight, ids=arrivals.ids,
               coverage=arrivals.outputs.coverage,
               staleness=arrivals.staleness, **more)
@@ -116,6 +122,9 @@ def transformed_sgd_update(cohort: Cohort, *, local: LocalConfig,
 class CohortAggregation(NamedTuple):
   """How a cohort-aware method aggregates (built once per method).
 
+  consistent(trainables) -> trainables whose shared layers are trimmed
+  copies of one aligned tree (call it on the initial trainables).
+
   With one cohort there is one group: the whole trainable tree. With
   several, the subtrees of the `share` roles form one group aligned over
   all cohorts (zero-padded to the largest shape, coverage-masked), and each
@@ -124,6 +133,18 @@ class CohortAggregation(NamedTuple):
   """
   init: Callable[[tuple[Params, ...]], Any]
   aggregate: Callable[..., tuple[tuple[Params, ...], Any, dict]]
+  consistent: Callable[[tuple[Params, ...]], tuple[Params, ...]]
+
+
+def _per_client(info: dict, slots: int) -> dict:
+  """Moves the rule's per-slot vectors (e.g. Horus's 'hops') under
+  info['per_client'], which the round logs per client."""
+  per = {k: v for k, v in info.items()
+         if k != 'weights' and jnp.ndim(v) == 1 and v.shape[0] == slots}
+  out = {k: v for k, v in info.items() if k not in per}
+  if per:
+    out['per_client'] = per
+  return out
 
 
 def cohort_aggregation(aggregator: Aggregator, cohorts: tuple[Cohort, ...],
@@ -144,6 +165,46 @@ def cohort_aggregation(aggregator: Aggregator, cohorts: tuple[Cohort, ...],
     shapes = aligned_shapes(shared) if share else None
     return shared, private, shapes
 
+  def aligned_global(trainables, shapes):
+    """The shared layers' global values at the aligned shape: each cohort
+    holds a trimmed copy of the same aligned tree, so a coordinate's value
+    is any owner's (their average)."""
+    shared = [split_roles(t, c.model, share)[0]
+              for t, c in zip(trainables, cohorts)]
+    ones = [jax.tree.map(lambda l: jnp.ones(l.shape, jnp.float32), t)
+            for t in shared]
+    total = functools.reduce(
+        lambda x, y: jax.tree.map(jnp.add, x, y),
+        [pad_to(t, shapes) for t in shared])
+    owners = functools.reduce(
+        lambda x, y: jax.tree.map(jnp.add, x, y),
+        [pad_to(o, shapes) for o in ones])
+    return jax.tree.map(lambda t, o: t / jnp.maximum(o, 1.0), total, owners)
+
+  def consistent(trainables):
+    """The shared layers start as ONE aligned tree: every coordinate takes
+    its first owner's initial value (cohort order), and each cohort holds
+    that tree trimmed to its own shapes (Horus broadcasts one global LoRA
+    that clients trim)."""
+    if single or not share:
+      return tuple(trainables)
+    shared = [split_roles(t, c.model, share) for t, c in zip(trainables,
+                                                               cohorts)]
+    shapes = aligned_shapes([s for s, _ in shared])
+    merged = owned = None
+    for s, _ in shared:
+      value = pad_to(s, shapes)
+      have = pad_to(jax.tree.map(lambda l: jnp.ones(l.shape, bool), s),
+                    shapes)
+      if merged is None:
+        merged, owned = value, have
+      else:
+        merged = jax.tree.map(lambda m, o, v: jnp.where(o, m, v), merged,
+                              owned, value)
+        owned = jax.tree.map(jnp.logical_or, owned, have)
+    return tuple(join_roles(p, trim_to(merged, s), c.model)
+                 for (s, p), c in zip(shared, cohorts))
+
   def init(trainables):
     if single:
       return aggregator.init(trainables[0])
@@ -158,8 +219,8 @@ def cohort_aggregation(aggregator: Aggregator, cohorts: tuple[Cohort, ...],
       a = arrivals[0]
       update, state, info = call_aggregator(
           aggregator, a.outputs.delta, a.mask, state, key,
-          **extras_of(a, **more))
-      info = dict(info)
+          **extras_of(a, params=trainables[0], **more))
+      info = _per_client(dict(info), a.mask.shape[0])
       weights = info.pop('weights', None)
       if weights is not None:
         info['weights'] = (weights,)
@@ -184,14 +245,16 @@ def cohort_aggregation(aggregator: Aggregator, cohorts: tuple[Cohort, ...],
       cat = lambda name: jnp.concatenate([getattr(a, name) for a in arrivals])
       extras = dict(
           weights=jnp.concatenate([a.outputs.weight for a in arrivals]),
-          ids=cat('ids'), coverage=cov, staleness=cat('staleness'), **more)
+          ids=cat('ids'), coverage=cov, staleness=cat('staleness'),
+          params=aligned_global(trainables, shapes), **more)
       shared_update, shared_state, shared_info = call_aggregator(
           aggregator, ups, cat('mask'), shared_state,
           jax.random.fold_in(key, 0), **extras)
-      shared_info = dict(shared_info)
+      sizes = [a.mask.shape[0] for a in arrivals]
+      shared_info = _per_client(dict(shared_info), sum(sizes))
+      info['per_client'] = shared_info.pop('per_client', {})
       w = shared_info.pop('weights', None)
       if w is not None:
-        sizes = [a.mask.shape[0] for a in arrivals]
         weights = [w[sum(sizes[:j]):sum(sizes[:j + 1])]
                    for j in range(len(sizes))]
       info.update({f'shared/{k}': v for k, v in shared_info.items()})
@@ -199,7 +262,9 @@ def cohort_aggregation(aggregator: Aggregator, cohorts: tuple[Cohort, ...],
     for j, (a, c) in enumerate(zip(arrivals, cohorts)):
       private, private_cov = parts[j][1], parts[j][3]
       if jax.tree.leaves(private):
-        extras = extras_of(a, **more)
+        extras = extras_of(a, params=split_roles(trainables[j], c.model,
+                                                 share)[1] if share
+                           else trainables[j], **more)
         extras['coverage'] = private_cov
         up, st, pinfo = call_aggregator(
             aggregator, private, a.mask, private_states[j],
@@ -220,7 +285,7 @@ def cohort_aggregation(aggregator: Aggregator, cohorts: tuple[Cohort, ...],
       info['weights'] = tuple(weights)
     return tuple(updates), (shared_state, tuple(new_private)), info
 
-  return CohortAggregation(init, aggregate)
+  return CohortAggregation(init, aggregate, consistent)
 
 
 def check_cohorts(name: str, cohorts: tuple[Cohort, ...], *,
@@ -234,20 +299,29 @@ def check_cohorts(name: str, cohorts: tuple[Cohort, ...], *,
 
 def eval_models_of(cohorts: tuple[Cohort, ...], bases, trainables
                    ) -> tuple[EvalModel, ...]:
-  """The models to evaluate: each cohort's merged global model, and for
-  width-sliced or mixed-rank cohorts each distinct spec's submodel."""
+  """The models to evaluate: each cohort's merged global model; for a
+  width-sliced cohort, every client's own submodel (the headline: the mean
+  over clients, as heterogeneous-FL papers report), the full model
+  ('full') and each distinct width's submodel ('w0.5', ...)."""
   out = []
   for j, c in enumerate(cohorts):
     label = '' if len(cohorts) == 1 else c.name
-    out.append(EvalModel(label, j, c.transform.merge(bases[j],
-                                                      trainables[j], None)))
-    values = c.transform.spec_values
-    if c.transform.name == 'width' and len(values) > 1 or (
-        c.transform.name == 'width' and values and values[0] != 1.0):
-      for v in values:
-        clients = tuple(i for i in c.members if c.specs[i] == v)
-        out.append(EvalModel(
-            f'{label + "/" if label else ""}w{v:g}', j,
-            c.transform.merge(bases[j], trainables[j], jnp.float32(v)),
-            clients))
+    sliced = c.transform.name == 'width' and c.transform.spec_values and (
+        len(c.transform.spec_values) > 1 or c.transform.spec_values[0] != 1)
+    full = c.transform.merge(bases[j], trainables[j], None)
+    if not sliced:
+      out.append(EvalModel(label, j, full))
+      continue
+    specs = jnp.asarray([c.specs[i] for i in c.members], jnp.float32)
+    own = jax.vmap(lambda v: c.transform.merge(bases[j], trainables[j],
+                                                 v))(specs)
+    out.append(EvalModel(label, j, own, clients=c.members, per_client=True))
+    prefix = label + '/' if label else ''
+    out.append(EvalModel(prefix + 'full', j, full, c.members))
+    for v in c.transform.spec_values:
+      clients = tuple(i for i in c.members if c.specs[i] == v)
+      out.append(EvalModel(
+          f'{prefix}w{v:g}', j,
+          c.transform.merge(bases[j], trainables[j], jnp.float32(v)),
+          clients))
   return tuple(out)

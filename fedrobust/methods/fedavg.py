@@ -21,17 +21,18 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedrobust.aggregators.base import Aggregator
 from fedrobust.cohort import Cohort
 from fedrobust.errors import SettingError
-from fedrobust.local import LocalConfig
+from fedrobust.local import LocalConfig, classification_loss, local_sgd
 from fedrobust.methods.base import (MethodSpec, cohort_aggregation,
                                     eval_models_of, server_step,
                                     transformed_sgd_update)
 from fedrobust.settings import Setting
-from fedrobust.types import Method
+from fedrobust.types import EvalModel, Method
 
 SHARE = Setting('cohort_share', 'head', 'Roles whose trainable parameters '
                 'all cohorts aggregate together (comma-separated: head, '
@@ -39,9 +40,17 @@ SHARE = Setting('cohort_share', 'head', 'Roles whose trainable parameters '
                 'cohorts.', arg='share', shared=True)
 
 
+WARMUP = Setting('warmup_epochs', 0, 'Private backbones: before round 1 '
+                 'every client trains the full model locally for this many '
+                 'epochs and keeps it as its own frozen base; the transform '
+                 "(LoRA, selected layers) trains on top of it (Horus's "
+                 'warm-up). 0: one shared base.', shared=True)
+
+
 class FedAvgState(NamedTuple):
-  base: tuple     # each cohort's frozen base (() for the identity transform)
-  agg: Any        # the aggregator's state (per group with several cohorts)
+  base: tuple       # each cohort's frozen base (() for the identity transform)
+  agg: Any          # the aggregator's state (per group with several cohorts)
+  backbones: tuple = ()   # with warm-up: per cohort, leaves [K_j, ...]
 
 
 def parse_share(share: str | tuple) -> tuple[str, ...]:
@@ -54,7 +63,8 @@ def parse_share(share: str | tuple) -> tuple[str, ...]:
 def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
            optimizer: optax.GradientTransformation, aggregator: Aggregator,
            server_lr: float = 1.0, poison=None, num_clients: int = 0,
-           mu: float = 0.0, share: str | tuple = 'head') -> Method:
+           mu: float = 0.0, share: str | tuple = 'head',
+           warmup_epochs: int = 0) -> Method:
   """FedAvg (mu == 0) or FedProx (mu > 0).
 
   Args:
@@ -68,6 +78,10 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     num_clients: K (unused; uniform factory interface).
     mu: FedProx's proximal weight; 0 gives FedAvg.
     share: roles aggregated across cohorts ('head', 'first', 'none').
+    warmup_epochs: > 0 gives every client a private backbone: its own
+      model after this many local epochs before round 1 (Horus Sec. VI-A),
+      frozen, under the cohort's transform; evaluation then reports every
+      client's own model.
 
   Returns:
     A Method.
@@ -76,32 +90,82 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
   if not (mu >= 0 and jnp.isfinite(mu)):
     raise SettingError('mu', f'must be >= 0 and finite, got {mu}',
                        component='method fedprox')
+  if isinstance(warmup_epochs, bool) or not isinstance(
+      warmup_epochs, int) or warmup_epochs < 0:
+    raise SettingError('warmup_epochs', f'must be an int >= 0, got '
+                       f'{warmup_epochs!r}')
+  private = warmup_epochs > 0
+  if private and any(c.transform.name not in ('lora', 'select')
+                     for c in cohorts):
+    raise SettingError('warmup_epochs', 'private backbones need a transform '
+                       'that freezes them (lora or select), not '
+                       f'{sorted({c.transform.name for c in cohorts})}')
   share = parse_share(share)
   aggregation = cohort_aggregation(aggregator, cohorts, share)
   updates = [transformed_sgd_update(c, local=local, optimizer=optimizer,
                                     proximal_mu=mu, poison=poison)
              for c in cohorts]
-  specs = [jnp.asarray(c.specs, jnp.float32) if c.transform.spec_name
-           else None for c in cohorts]
+  specs = [jnp.asarray(c.specs, jnp.float32)
+           if c.transform.spec_name and len(c.specs) else None
+           for c in cohorts]
+  # A client's row in its cohort's backbone stack.
+  k = max(max(c.members) for c in cohorts) + 1
+  positions = []
+  for c in cohorts:
+    pos = np.zeros(k, np.int32)
+    pos[list(c.members)] = np.arange(len(c.members))
+    positions.append(jnp.asarray(pos))
+  warmup = local._replace(num_epochs=warmup_epochs) if private else None
 
   def init(params, num_clients, key):
     del num_clients
     split = [c.transform.init(p, jax.random.fold_in(key, j))
              for j, (c, p) in enumerate(zip(cohorts, params))]
-    trainables = tuple(t for _, t in split)
+    trainables = aggregation.consistent(tuple(t for _, t in split))
+    backbones = ()
+    if private:       # filled by the setup step (client warm-up)
+      backbones = tuple(jax.tree.map(
+          lambda leaf, n=len(c.members): jnp.broadcast_to(
+              leaf, (n, *leaf.shape)), c.transform.merge(b, t, None))
+                        for c, (b, t) in zip(cohorts, split))
     return trainables, FedAvgState(base=tuple(b for b, _ in split),
-                                   agg=aggregation.init(trainables))
+                                   agg=aggregation.init(trainables),
+                                   backbones=backbones)
 
   def broadcast(state, j):
     return (state.method_state.base[j], state.params[j], state.round + 1)
 
   def client_state(method_state, j, ids):
-    del method_state
-    return () if specs[j] is None else specs[j][ids]
+    spec = () if specs[j] is None else specs[j][ids]
+    if not private:
+      return spec
+    return spec, jax.tree.map(lambda leaf: leaf[positions[j][ids]],
+                              method_state.backbones[j])
 
-  def client_update(j, broadcast, spec, data, key, server_data):
+  def client_update(j, broadcast, state, data, key, server_data):
     del server_data
+    if private:         # the client's own frozen backbone is its base
+      spec, backbone = state
+      broadcast = (backbone,) + tuple(broadcast[1:])
+    else:
+      spec = state
     return updates[j](broadcast, spec, data, key)
+
+  def client_setup(j, broadcast, state, data, key, server_data):
+    """Warm-up: the full model, trained locally for warmup_epochs."""
+    del state, server_data
+    base, trainable, _ = broadcast
+    full = cohorts[j].transform.merge(base, trainable, None)
+    loss = classification_loss(cohorts[j].model.apply)
+    trained, _ = local_sgd(loss, full, data, key, optimizer=optimizer,
+                           config=warmup, poison=None)
+    return trained
+
+  def server_setup(state, results):
+    backbones = tuple(jax.tree.map(lambda leaf, n=len(c.members): leaf[:n],
+                                   outputs)
+                      for c, (_, _, outputs) in zip(cohorts, results))
+    return state.method_state._replace(backbones=backbones)
 
   def server_update(state, arrivals, key, server_data):
     del server_data
@@ -112,22 +176,33 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     return params, state.method_state._replace(agg=agg_state), info
 
   def eval_models(state):
-    return eval_models_of(cohorts, state.method_state.base, state.params)
+    if not private:
+      return eval_models_of(cohorts, state.method_state.base, state.params)
+    out = []
+    for j, c in enumerate(cohorts):
+      merge = lambda b, t=state.params[j], tr=c.transform: tr.merge(b, t,
+                                                                    None)
+      out.append(EvalModel('' if len(cohorts) == 1 else c.name, j,
+                           jax.vmap(merge)(state.method_state.backbones[j]),
+                           clients=c.members, per_client=True))
+    return tuple(out)
 
   name = 'fedprox' if mu else 'fedavg'
   return Method(name, init, broadcast, client_state, client_update,
                 server_update, eval_models,
                 provides=frozenset({'weights', 'ids', 'coverage',
-                                    'staleness'}))
+                                    'staleness', 'params'}),
+                client_setup=client_setup if private else None,
+                server_setup=server_setup if private else None)
 
 
 FEDAVG = MethodSpec(
     build=fedavg,
     summary='FedAvg: local SGD, the weighted mean of the updates.',
-    settings=(SHARE,))
+    settings=(SHARE, WARMUP))
 
 FEDPROX = MethodSpec(
     build=fedavg,
     summary='FedProx: FedAvg with a proximal term mu/2 ||v - w||^2.',
     settings=(Setting('mu', 0.01, 'FedProx proximal weight mu (> 0).'),
-              SHARE))
+              SHARE, WARMUP))

@@ -9,8 +9,10 @@ FDReg (Eq. 9): the next time k trains, its loss is
   CE + lambda * sum_v H_{k,v} (w_v - w^{t-1}_{k,v})^2
 with H_k from its previous participation and w^{t-1}_k its previous local
 model, as in the paper and its reference code. A client that has not
-participated before has no H_k yet: its penalty is zero (plain CE), so its
-anchor does not matter; we anchor it on the global model it starts from.
+participated before has no H_k yet. first_round='none' (default): its
+penalty is zero (plain CE). first_round='anchor_init' (the released code):
+the penalty applies from the first round, with H_k taken at the model the
+client starts from (its data and U) and that model as the anchor.
 
 FDAgg (Eq. 10): T_k = sum_v H_{k,v}; min-max normalised over the round's
 real clients; alpha_k = sigmoid(-T^_k) / sum sigmoid(-T^). The server takes
@@ -27,8 +29,13 @@ Ablations: components in {both, fdreg, fdagg} (Table 3; 'fdreg' keeps
 FDReg and aggregates by FedAvg's data sizes, i.e. weighted_mean; 'fdagg'
 drops FDReg), importance in {fisher, abs_grad}
 (Table 2), stiffness in {diff, local, validation} (Table 4: H = |M(D)-M(U)|,
-M(D) or M(U)), fisher mode in {per_example, batch_mean_squared} (the
-released code squares each batch's mean gradient).
+M(D) or M(U)), fisher mode in {per_example, released} (fisher.py), FDAgg
+weighting in {sigmoid, softmax} (paper, release).
+
+Diagnostics: every client's T_k is its `fisher_discrepancy` metric, which
+the round logs per client with its FDAgg weight and whether it attacked.
+With diagnostics=True each client also reports T taken at the incoming
+global model, before local training (`fisher_discrepancy_incoming`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import jax.numpy as jnp
 import optax
 
 from fedrobust.aggregators.base import Aggregator, call_aggregator
+from fedrobust.aggregators.mean import FDAGG_WEIGHTINGS
 from fedrobust.cohort import Cohort
 from fedrobust.errors import SettingError, check_choice
 from fedrobust.local import (LocalConfig, classification_loss, local_sgd,
@@ -54,6 +62,7 @@ from fedrobust.types import ClientOutput, Method
 
 COMPONENTS = ('both', 'fdreg', 'fdagg')
 STIFFNESS = ('diff', 'local', 'validation')
+FIRST_ROUNDS = ('none', 'anchor_init')
 
 
 class SDFCClientState(NamedTuple):
@@ -73,7 +82,8 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
          server_lr: float = 1.0, poison=None, num_clients: int = 0,
          lam: float = 5.0, components: str = 'both',
          importance: str = 'fisher', stiffness: str = 'diff',
-         fisher_mode: str = 'per_example') -> Method:
+         fisher_mode: str = 'per_example', first_round: str = 'none',
+         weighting: str = 'sigmoid', diagnostics: bool = False) -> Method:
   """Builds SDFC. server_data must be the batched validation set U:
   (x uint8[T, B, ...], y int32[T, B], mask bool[T, B]).
 
@@ -91,7 +101,11 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     components: 'both', 'fdreg' or 'fdagg' (Table 3).
     importance: 'fisher' or 'abs_grad'.
     stiffness: 'diff', 'local' or 'validation'.
-    fisher_mode: 'per_example' or 'batch_mean_squared'.
+    fisher_mode: 'per_example' or 'released'.
+    first_round: 'none' or 'anchor_init' (see the module docstring).
+    weighting: FDAgg's 'sigmoid' or 'softmax'; passed to the fdagg rule by
+      the experiment runner (MethodSpec.aggregator_defaults).
+    diagnostics: also report T at the incoming global model.
 
   Returns:
     A Method.
@@ -103,6 +117,8 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
   check_choice('stiffness', stiffness, STIFFNESS, component=component)
   check_choice('importance', importance, IMPORTANCES, component=component)
   check_choice('fisher_mode', fisher_mode, FISHER_MODES, component=component)
+  check_choice('first_round', first_round, FIRST_ROUNDS, component=component)
+  check_choice('weighting', weighting, FDAGG_WEIGHTINGS, component=component)
   if not (lam >= 0 and jnp.isfinite(lam)):
     raise SettingError('lam', f'must be >= 0 and finite, got {lam}',
                        component=component)
@@ -128,13 +144,41 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     del j
     return gather_clients(method_state.clients, ids)
 
+  def stiffness_at(w, data, server_data):
+    """H_k (Eq. 8b, or the Table 4 variant) of model w on the client's
+    (possibly poisoned) data, one pass in order, and on U."""
+    val_x, val_y, val_mask = server_data['validation']
+    b, p = local.batch_size, local.steps_per_epoch
+    rows = jnp.arange(p * b, dtype=jnp.int32).reshape(p, b)
+    xs, ys = jax.vmap(lambda r: poisoned_batch(data, r, poison))(rows)
+    fisher = lambda x, y, m: fisher_diagonal(
+        model.apply, w, x, y, m, importance=importance, mode=fisher_mode)
+    if stiffness == 'validation':
+      return fisher(val_x, val_y, val_mask)
+    m_local = fisher(xs, ys, rows < data.count)
+    if stiffness == 'local':
+      return m_local
+    m_val = fisher(val_x, val_y, val_mask)
+    return jax.tree.map(lambda a, v: jnp.abs(a - v), m_local, m_val)
+
+  total_of = lambda h: sum(jnp.sum(leaf) for leaf in jax.tree.leaves(h))
+
   def client_update(j, params, state, data, key, server_data):
     del j
-    val_x, val_y, val_mask = server_data['validation']
-    anchor = jax.tree.map(lambda a, g: jnp.where(state.seen, a, g),
-                          state.prev_params, params)
-    reg = jax.tree.map(lambda h: jnp.where(state.seen, h, 0.0),
-                       state.stiffness)
+    incoming = None
+    if first_round == 'anchor_init' and use_reg:
+      # The release's round 0: H and the anchor at the starting model. Under
+      # lax.map a client that participated before skips the extra Fisher.
+      reg, anchor = jax.lax.cond(
+          state.seen, lambda: (state.stiffness, state.prev_params),
+          lambda: (stiffness_at(params, data, server_data), params))
+    else:
+      anchor = jax.tree.map(lambda a, g: jnp.where(state.seen, a, g),
+                            state.prev_params, params)
+      reg = jax.tree.map(lambda h: jnp.where(state.seen, h, 0.0),
+                         state.stiffness)
+    if diagnostics:
+      incoming = total_of(stiffness_at(params, data, server_data))
 
     def loss_fn(p, x, y, mask, k):
       loss, aux = base_loss(p, x, y, mask, k)
@@ -149,20 +193,10 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     new_params, metrics = local_sgd(loss_fn, params, data, key,
                                     optimizer=optimizer, config=local,
                                     poison=poison)
-    # Fisher on the client's (possibly poisoned) data, one pass in order.
-    b, p = local.batch_size, local.steps_per_epoch
-    rows = jnp.arange(p * b, dtype=jnp.int32).reshape(p, b)
-    xs, ys = jax.vmap(lambda r: poisoned_batch(data, r, poison))(rows)
-    fisher = lambda x, y, m: fisher_diagonal(
-        model.apply, new_params, x, y, m, importance=importance,
-        mode=fisher_mode)
-    m_local = fisher(xs, ys, rows < data.count)
-    m_val = fisher(val_x, val_y, val_mask)
-    h = {'diff': lambda: jax.tree.map(lambda a, v: jnp.abs(a - v), m_local,
-                                      m_val),
-         'local': lambda: m_local, 'validation': lambda: m_val}[stiffness]()
-    total = sum(jnp.sum(leaf) for leaf in jax.tree.leaves(h))
-    metrics = dict(metrics, fisher_discrepancy=total)
+    h = stiffness_at(new_params, data, server_data)
+    metrics = dict(metrics, fisher_discrepancy=total_of(h))
+    if incoming is not None:
+      metrics['fisher_discrepancy_incoming'] = incoming
     return ClientOutput(
         delta=tree_sub(new_params, params),
         weight=data.count.astype(jnp.float32),
@@ -227,11 +261,23 @@ SDFC = MethodSpec(
                 'absolute gradients.', choices=IMPORTANCES),
         Setting('stiffness', 'diff', 'Table 4 ablation: H = |M(D)-M(U)|, '
                 'M(D) or M(U).', choices=STIFFNESS),
-        Setting('fisher', 'per_example', 'Fisher estimator; '
-                'batch_mean_squared squares each batch-mean gradient.',
+        Setting('fisher', 'per_example', 'Fisher estimator: per_example '
+                "(Eq. 5-6) or released (the release's cross-label batch "
+                'gradient, squared after averaging the batches).',
                 choices=FISHER_MODES, arg='fisher_mode'),
+        Setting('first_round', 'none', 'none: no penalty at a client\'s '
+                'first participation; anchor_init: the release\'s penalty '
+                'from round 1, H and anchor at the starting model.',
+                choices=FIRST_ROUNDS),
+        Setting('weighting', 'sigmoid', 'FDAgg weights: sigmoid(-T^) '
+                '(paper Eq. 10) or softmax(-T^) (release).',
+                choices=FDAGG_WEIGHTINGS),
+        Setting('diagnostics', False, 'Also report each client\'s T taken '
+                'at the incoming global model (two extra Fisher passes).'),
     ),
     server_data=('validation',),
     default_aggregator=default_aggregator,
     validate=check_aggregator,
+    aggregator_defaults=lambda s, name: ({'weighting': s['weighting']}
+                                         if name == 'fdagg' else {}),
     cohorts=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 
 from fedrobust.errors import SettingError
 from fedrobust.models import zoo
+from fedrobust.models.pipelines import PIPELINES, get_pipeline
 from fedrobust.models.layers import (COMPUTE_DTYPES, CONV_IMPLS,
                                      default_compute_dtype, default_conv_impl)
 
@@ -16,6 +18,7 @@ Params = Any
 
 MODELS: dict[str, type] = {
     'simple_cnn': zoo.SimpleCNN,
+    'simple_cnn_release': functools.partial(zoo.SimpleCNN, release=True),
     'cnn': zoo.CNN,
     'vgg_small': zoo.VGGSmall,
     'row_lstm': zoo.RowLSTM,
@@ -27,11 +30,15 @@ class Model(NamedTuple):
   """A model as pure functions plus what other components need to know.
 
   init: key -> params (one client's pytree).
-  apply: (params, x float[N, H, W, Ch], *, train=False, key=None,
-      lora=None) -> logits float32[N, classes]. `train` is True inside local
-      training, `key` feeds train-time randomness (dropout), `lora` is an
-      optional tree of LoRA factors read by the layers at their own paths
-      (see models/layers.py); it needs `lora_native`.
+  apply: (params, x [N, H, W, Ch] as stored (uint8 images), *, train=False,
+      key=None, lora=None) -> logits float32[N, classes]. The model's input
+      pipeline (models/pipelines.py) turns the stored examples into what
+      the network computes on, so every caller preprocesses alike. `train`
+      is True inside local training, `key` feeds train-time randomness
+      (random crops, dropout), `lora` is an optional tree of LoRA factors
+      read by the layers at their own paths (see models/layers.py); it
+      needs `lora_native`.
+  input_shape: one stored example's shape (before the pipeline).
   roles: role name ('first', 'head') -> '/'-joined module path.
   width_units: per parameter leaf, per axis, the hidden units the axis
       indexes (0: not sliced); see models/zoo.py.
@@ -45,18 +52,21 @@ class Model(NamedTuple):
   roles: dict[str, str] | None = None
   width_units: Any = None
   lora_native: bool = False
+  pipeline: str = 'native'
 
 
 def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
               conv_impl: str | None = None,
-              dtype: jnp.dtype | None = None, **kwargs) -> Model:
+              dtype: jnp.dtype | None = None, pipeline: str = 'native',
+              **kwargs) -> Model:
   """Builds a registered model.
 
   Args:
     name: a key of MODELS.
     num_classes: output classes.
-    input_shape: one example's (H, W, Ch).
+    input_shape: one stored example's (H, W, Ch).
     conv_impl: 'xla', 'im2col' or None for the backend default.
+    pipeline: the input pipeline (models/pipelines.PIPELINES).
     dtype: compute dtype (params stay float32); None for float32.
     **kwargs: architecture overrides (e.g. width for 'cnn').
 
@@ -72,7 +82,9 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
                        f'{CONV_IMPLS}')
   module = MODELS[name](num_classes=num_classes, conv_impl=conv_impl,
                         dtype=dtype, **kwargs)
-  dummy = jnp.zeros((1, *input_shape), jnp.float32)
+  pipe = get_pipeline(pipeline)
+  dummy = jnp.zeros((1, *pipe.output_shape(tuple(input_shape))),
+                    jnp.float32)
 
   def init(key: jax.Array) -> Params:
     return module.init(key, dummy)['params']
@@ -80,6 +92,10 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
   def apply(params: Params, x: jax.Array, *, train: bool = False,
             key: jax.Array | None = None, lora: Params | None = None
             ) -> jax.Array:
+    pipe_key = None
+    if train and key is not None and pipe.random:
+      pipe_key, key = jax.random.split(key)
+    x = pipe.prepare(x, train=train, key=pipe_key)
     variables = {'params': params}
     if lora is not None:
       variables['lora'] = lora
@@ -89,8 +105,9 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
   shapes = jax.eval_shape(init, jax.random.key(0))
   return Model(name, init, apply, tuple(input_shape), num_classes,
                roles=dict(module.roles()),
-               width_units=module.width_units(shapes), lora_native=True)
+               width_units=module.width_units(shapes), lora_native=True,
+               pipeline=pipeline)
 
 
-__all__ = ['MODELS', 'Model', 'get_model', 'default_conv_impl', 'CONV_IMPLS',
-           'COMPUTE_DTYPES', 'default_compute_dtype']
+__all__ = ['MODELS', 'Model', 'PIPELINES', 'get_model', 'default_conv_impl',
+           'CONV_IMPLS', 'COMPUTE_DTYPES', 'default_compute_dtype']

@@ -54,11 +54,15 @@ class SimpleCNN(nn.Module):
   """SDFC's simple CNN: conv6-pool-conv16-pool-fc120-fc84-fc84-fc256-fc.
 
   5x5 VALID convolutions on 28x28 inputs (28->24->12->8->4), as in the SDFC
-  reference setup; no resizing.
+  paper's setup; the release resizes to 32x32 (32->28->14->10->5, a 400-unit
+  flatten) and has no ReLU after fc256 (`release=True`,
+  'simple_cnn_release').
   """
   num_classes: int
   conv_impl: ConvImpl = 'xla'
   dtype: jnp.dtype | None = None
+  # The SDFC release's variant: no ReLU after the 256-unit layer.
+  release: bool = False
 
   ORDER = ('Conv_0', 'Conv_1', 'Dense_0', 'Dense_1', 'Dense_2', 'Dense_3',
            'Dense_4')
@@ -71,7 +75,9 @@ class SimpleCNN(nn.Module):
     x = max_pool_2x2(nn.relu(conv(16)(x)))
     x = _flatten(x)
     for width in (120, 84, 84, 256):
-      x = nn.relu(Dense(width, dtype=self.dtype)(x))
+      x = Dense(width, dtype=self.dtype)(x)
+      if not (self.release and width == 256):
+        x = nn.relu(x)
     return Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
   def roles(self):

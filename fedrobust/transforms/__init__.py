@@ -4,8 +4,9 @@
   base, trainable = t.init(params, key)
 
 identity: the full model (FedAvg); lora: frozen model plus LoRA factors on
-chosen kernels, ranks may differ per client; width: HeteroFL/FedRolex
-width-sliced submodels, ratios may differ per client.
+chosen kernels, ranks may differ per client; select: the full parameters of
+chosen layers, the rest frozen; width: HeteroFL/FedRolex width-sliced
+submodels, ratios may differ per client.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable
 
 from fedrobust.errors import SettingError
 from fedrobust.transforms.base import (Transform, get_path, identity, masked,
-                                       module_paths, resolve_targets,
+                                       module_paths, resolve_targets, select,
                                        set_path)
 from fedrobust.transforms.lora import lora, lora_paths
 from fedrobust.transforms.width import submodel_units, width
@@ -22,6 +23,7 @@ from fedrobust.transforms.width import submodel_units, width
 TRANSFORMS: dict[str, Callable[..., Transform]] = {
     'identity': identity,
     'lora': lora,
+    'select': select,
     'width': width,
 }
 
@@ -35,4 +37,5 @@ def get_transform(name: str, model, **kwargs) -> Transform:
 
 __all__ = ['TRANSFORMS', 'Transform', 'get_path', 'get_transform',
            'identity', 'lora', 'lora_paths', 'masked', 'module_paths',
-           'resolve_targets', 'set_path', 'submodel_units', 'width']
+           'resolve_targets', 'select', 'set_path', 'submodel_units',
+           'width']

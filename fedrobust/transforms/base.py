@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedrobust.errors import SettingError
 
@@ -85,11 +86,15 @@ def set_path(tree: dict, path: str, value: Any) -> dict:
 
 
 def resolve_targets(targets: tuple[str, ...], paths: list[str],
-                    roles: dict[str, str] | None) -> list[str]:
+                    roles: dict[str, str] | None, *,
+                    argument: str = 'lora_targets') -> list[str]:
   """Module paths selected by `targets`.
 
-  Each target is a role name of the model ('first', 'head'), 'all', or a
-  glob over module paths ('Dense_*', 'encoder/*/query').
+  Each target is a role name of the model ('first', 'head'), 'all',
+  'random2' (two middle layers, neither 'first' nor 'head', drawn with a
+  fixed seed, so every client and every run of this architecture gets the
+  same two; fewer if the model has fewer: Horus's r_lora), or a glob over
+  module paths ('Dense_*', 'encoder/*/query').
 
   Raises:
     SettingError: naming `lora_targets` when a target selects nothing.
@@ -99,12 +104,16 @@ def resolve_targets(targets: tuple[str, ...], paths: list[str],
   for target in targets:
     if target == 'all':
       hits = list(paths)
+    elif target == 'random2':
+      middle = [p for p in paths if p not in roles.values()]
+      picks = np.random.default_rng(0).permutation(len(middle))[:2]
+      hits = [middle[i] for i in sorted(picks)]
     elif target in roles:
       hits = [roles[target]]
     else:
       hits = [p for p in paths if fnmatch.fnmatchcase(p, target)]
     if not hits or any(h not in paths for h in hits):
-      raise SettingError('lora_targets', f'{target!r} selects no layer with '
+      raise SettingError(argument, f'{target!r} selects no layer with '
                          f'a kernel; layers: {paths}, roles: '
                          f'{sorted(roles)}')
     chosen += [h for h in hits if h not in chosen]
@@ -136,3 +145,37 @@ def identity(model) -> Transform:
 
 def ones_like_f32(tree: Params) -> Params:
   return jax.tree.map(lambda t: jnp.ones(t.shape, jnp.float32), tree)
+
+
+def select(model, *, targets: tuple[str, ...] = ('first', 'head')
+           ) -> Transform:
+  """The full parameters of the `targets` layers are trainable, the rest of
+  the model frozen (Horus's s_all with targets first,head; a_all is the
+  identity transform). The trainable tree mirrors the params tree down to
+  the selected modules."""
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  paths = resolve_targets(tuple(targets), module_paths(shapes), model.roles,
+                          argument='select_targets')
+
+  def init(params, key):
+    del key
+    trainable = {}
+    for path in paths:
+      trainable = set_path(trainable, path, get_path(params, path))
+    return params, trainable
+
+  def coverage(trainable, spec, round_number):
+    del trainable, spec, round_number
+    return None
+
+  def merge(base, trainable, spec=None):
+    del spec
+    full = base
+    for path in paths:
+      full = set_path(full, path, get_path(trainable, path))
+    return full
+
+  def apply(base, trainable, x, *, spec=None, train=False, key=None):
+    return model.apply(merge(base, trainable, spec), x, train=train, key=key)
+
+  return Transform('select', init, coverage, apply, merge)

@@ -17,6 +17,11 @@ masked coordinates get zero gradient. The client's update carries the mask
 as its coverage; the server averages each coordinate over the clients that
 own it (HeteroFL Sec. 3.1).
 
+Fjord (Horvath et al. 2021), `ordered_dropout=True`: a client of ratio p
+trains, at each local step, the prefix submodel of a width drawn uniformly
+from the cohort's ratios up to p, so every nested submodel learns; its
+update covers its largest (p) submodel.
+
 Not modelled: HeteroFL's per-width "scaler" (dividing a layer's output by
 p during training) and static batch norm; the zoo models have no batch
 norm, and we measured nothing that needs the scaler yet (BUILD_NOTES).
@@ -46,13 +51,15 @@ def _units_for(units_tree, path: tuple[str, ...], ndim: int
 
 
 def width(model, *, ratios: tuple[float, ...] = (1.0,),
-          rolling: bool = False) -> Transform:
+          rolling: bool = False, ordered_dropout: bool = False
+          ) -> Transform:
   """Width slicing of `model`'s hidden layers.
 
   Args:
     model: a fedrobust.models.Model with width_units.
     ratios: the distinct client width ratios p in (0, 1] of this cohort.
     rolling: FedRolex's rolling window instead of HeteroFL's prefix.
+    ordered_dropout: Fjord's per-step width draw (see the module docstring).
 
   Returns:
     A Transform whose spec is the client's ratio (float32[]).
@@ -62,7 +69,12 @@ def width(model, *, ratios: tuple[float, ...] = (1.0,),
     raise SettingError('width_ratios', f'must be in (0, 1], got {ratios}')
   if model.width_units is None:
     raise SettingError('model', f'{model.name!r} declares no width_units')
-  full = len(set(ratios)) == 1 and ratios[0] == 1.0 and not rolling
+  if rolling and ordered_dropout:
+    raise SettingError('width_variant', 'fedrolex and fjord exclude each '
+                       'other')
+  full = (len(set(ratios)) == 1 and ratios[0] == 1.0 and not rolling and
+          not ordered_dropout)
+  allowed = jnp.asarray(sorted(set(ratios)), jnp.float32)
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   units = [_units_for(model.width_units, tuple(k.key for k in path),
@@ -96,7 +108,13 @@ def width(model, *, ratios: tuple[float, ...] = (1.0,),
         for leaf, u in zip(leaves, units)])
 
   def apply(base, trainable, x, *, spec=None, train=False, key=None):
-    del base, spec     # the client trains trainable * coverage already
+    del base           # the client trains trainable * coverage already
+    if ordered_dropout and train and key is not None and spec is not None:
+      logits = jnp.where(allowed <= jnp.asarray(spec, jnp.float32) + 1e-6,
+                         0.0, -jnp.inf)
+      p = allowed[jax.random.categorical(jax.random.fold_in(key, 0x0D),
+                                         logits)]
+      trainable = masked(trainable, coverage(trainable, p, jnp.int32(0)))
     return model.apply(trainable, x, train=train, key=key)
 
   def merge(base, trainable, spec=None):

@@ -1,0 +1,63 @@
+"""Horus (Horus paper Sec. V, Algorithm 1): robust FL under
+hyper-heterogeneity, as a composition of engine pieces.
+
+  * clients of different architectures (cohorts: CNN and row-LSTM);
+  * each client warms up locally into a private backbone (Sec. VI-A, 10
+    epochs), which stays frozen; LoRA of rank r sits on its feature-first
+    and classifier layers (the 'first' and 'head' roles), and only LoRA
+    factors leave the client (`--transform=lora --lora_targets=first,head`);
+  * the server aligns every client's A and B to the largest shape with
+    masks (Sec. V-C.1, fedrobust.cohort) and applies the 'horus' rule
+    (aggregators/horus.py): HOPS on LoRA-A, the percentile threshold,
+    projection-guided weights and the masked weighted mean (Eq. 2-9);
+  * each client trims the new global factors to its own shape.
+
+So Horus is FedAvg's client and cohort machinery with private backbones
+and the 'horus' aggregator: `--method=horus` selects that rule by default
+and declares its hyperparameters, and `--method=horus --aggregator=median`
+(or `--method=fedavg --aggregator=median` on the same flags) runs a robust
+baseline through exactly the same LoRA and alignment pipeline, as the
+paper's comparison does. The Table III variants are flags: layers
+(`--lora_targets=all|random2`, or `--transform=select --select_targets=
+first,head` and `--transform=identity` for the full-parameter s_all and
+a_all), `--horus_detect=b|ab` and `--nohorus_projection`.
+"""
+
+from __future__ import annotations
+
+from fedrobust.aggregators.horus import DETECT
+from fedrobust.methods.base import MethodSpec
+from fedrobust.methods.fedavg import SHARE, WARMUP, fedavg
+from fedrobust.settings import Setting
+
+HOPS_SETTINGS = (
+    Setting('hops_lambda', 0.5, "HOPS's lambda (Eq. 4): weight of the top-k "
+            'energy term against the entropy term.', arg='lam'),
+    Setting('top_k', 5, 'k of the top-k energy ratio (Eq. 3).'),
+    Setting('percentile', 95.0, 'Detection threshold: the p-th percentile of '
+            "the round's HOPS scores (Eq. 5)."),
+    Setting('detect', 'a', 'Which LoRA factor HOPS reads: a (Horus), b or '
+            'ab (Table III).', choices=DETECT),
+    Setting('projection', True, 'Projection-guided weights (Eq. 8); off is '
+            'Table III\'s "w/o weight".'),
+)
+
+
+def horus(**kwargs):
+  """FedAvg's pipeline; the HOPS settings go to the 'horus' rule."""
+  for s in HOPS_SETTINGS:
+    kwargs.pop(s.kwarg, None)
+  method = fedavg(**kwargs)
+  return method._replace(name='horus')
+
+
+HORUS = MethodSpec(
+    build=horus,
+    summary='Horus: LoRA on stable layers of private backbones, HOPS '
+    'detection on LoRA-A, projection-guided aligned aggregation.',
+    settings=HOPS_SETTINGS + (SHARE, WARMUP),
+    default_aggregator=lambda s: 'horus',
+    aggregator_defaults=lambda s, name: (
+        {'lam': s['lam'], 'top_k': s['top_k'],
+         'percentile': s['percentile'], 'detect': s['detect'],
+         'projection': s['projection']} if name == 'horus' else {}))
