@@ -41,8 +41,23 @@ def test_reference_rows_and_setting():
   assert reference.setting_of('SDFC', {'dirichlet_alpha': 1.0,
                                        'malicious_fraction': 0.5}) == (
                                            'beta=1.0 malicious=50%')
-  with pytest.raises(ValueError, match='Horus'):
-    reference.setting_of('Horus', {})
+  with pytest.raises(ValueError, match='FedHAN'):
+    reference.setting_of('FedHAN', {})
+
+
+def test_horus_table_columns_are_one_value_per_alpha():
+  rows = reference.load('Horus', 'TableI')
+  assert rows[('Horus', 'LIE alpha=0.5')]['test_accuracy'] == (
+      pytest.approx(0.6735))
+  assert rows[('Krum', 'label-flip alpha=0.1')]['test_accuracy'] == (
+      pytest.approx(0.4312))
+  assert reference.setting_of('Horus', {'attack': 'fang_trim',
+                                        'dirichlet_alpha': 0.3}) == (
+                                            'Fang alpha=0.3')
+  table2 = reference.load('Horus', 'TableII')
+  horus = table2[('Horus', 'alpha=0.5 heterogeneous FL no attack')]
+  assert horus == pytest.approx({'local_accuracy': 0.8947,
+                                 'test_accuracy': 0.7266})
 
 
 def test_paper_columns_read_the_runs_own_config(tmp_path):

@@ -173,9 +173,11 @@ def init_server_state(method: Method, params: tuple[Params, ...],
   key, init_key = jax.random.split(key)
   global_params, method_state = method.init(params, num_clients, init_key)
   # A method state may hold the params themselves (rules that track the
-  # global model); copy it so no buffer appears twice when the state is
+  # global model), and cohorts' trees may share a buffer (aligned shared
+  # layers); copy both so no buffer appears twice when the state is
   # donated to the round.
   method_state = jax.tree.map(jnp.copy, method_state)
+  global_params = jax.tree.map(jnp.copy, global_params)
   state = ServerState(round=jnp.zeros((), jnp.int32),
                       params=tuple(global_params),
                       method_state=method_state,
