@@ -84,3 +84,19 @@ def test_sweep_names_are_safe_file_names():
   for bad in ('../evil', 'a/b', '.hidden', 'x y', '', 'x\n'):
     with pytest.raises(app.UsageError, match='--name'):
       sweep.check_name('name', bad)
+
+
+def test_upload_bytes_is_the_client_weighted_mean_over_cohorts(tmp_path):
+  """A cohort's specs count alike; cohorts weigh by their client count."""
+  (tmp_path / 'metrics.jsonl').write_text(
+      json.dumps({'round': 1, 'test_accuracy': 0.5}) + '\n')
+  (tmp_path / 'summary.json').write_text(json.dumps({'cohorts': {
+      'cnn': {'clients': 3, 'upload_bytes_per_client': {'rank=2': 100,
+                                                        'rank=8': 300}},
+      'lstm': {'clients': 1, 'upload_bytes_per_client': {'': 1000}}}}))
+  out = sweep.read_final(str(tmp_path), ['test_accuracy', 'upload_bytes'], 1)
+  assert out['test_accuracy'] == 0.5
+  assert out['upload_bytes'] == (3 * 200 + 1 * 1000) / 4
+  os.remove(tmp_path / 'summary.json')
+  assert sweep.read_final(str(tmp_path), ['upload_bytes'], 1) == {
+      'upload_bytes': None}
