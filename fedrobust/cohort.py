@@ -105,30 +105,45 @@ def _with(tree: dict, keys: list[str], value) -> dict:
   return out
 
 
+def matrix_view(shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
+  """`shape` with its leading axes merged so that it has `ndim` axes, e.g.
+  a conv kernel (5, 5, 1, 6) -> (25, 6) for ndim 2 (its [fan-in, out]
+  matrix, the view HOPS and the projection weights read)."""
+  shape = tuple(shape)
+  if len(shape) <= ndim:
+    return shape
+  keep = shape[len(shape) - ndim + 1:]
+  return (int(np.prod(shape[:len(shape) - ndim + 1])),) + keep
+
+
 def aligned_shapes(trees: list[Params]) -> Params:
   """Elementwise largest leaf shape over trees of one structure (no leading
-  client axis).
+  client axis). Leaves of different ranks (a conv kernel shared with a dense
+  or recurrent kernel) are aligned as their matrix views: leading axes
+  merged down to the smallest rank (Horus Sec. V-C.1 pads [d_in, d_out]
+  matrices).
 
   Raises:
-    SettingError: naming `share` when structures or ranks differ.
+    SettingError: naming `share` when structures differ.
   """
   structures = {jax.tree.structure(t) for t in trees}
   if len(structures) != 1:
     raise SettingError('share', 'the shared layers have different '
                        f'structures across cohorts: {structures}')
   def biggest(*leaves):
-    ranks = {len(np.shape(l)) for l in leaves}
-    if len(ranks) != 1:
-      raise SettingError('share', 'a shared parameter has different ranks '
-                         f'across cohorts: {[np.shape(l) for l in leaves]}')
-    return jax.ShapeDtypeStruct(tuple(np.max([np.shape(l) for l in leaves],
-                                             axis=0)), jnp.float32)
+    ndim = min(len(np.shape(l)) for l in leaves)
+    views = [matrix_view(np.shape(l), ndim) for l in leaves]
+    return jax.ShapeDtypeStruct(tuple(np.max(views, axis=0)), jnp.float32)
   return jax.tree.map(biggest, *trees)
 
 
 def pad_to(tree: Params, shapes: Params, *, lead: int = 0) -> Params:
-  """Zero-pads every leaf (after `lead` leading axes) to `shapes`."""
+  """Zero-pads every leaf (after `lead` leading axes, in its matrix view
+  when `shapes` has fewer axes) to `shapes`."""
   def pad(leaf, like):
+    if leaf.ndim - lead != len(like.shape):
+      leaf = leaf.reshape(leaf.shape[:lead] + matrix_view(
+          leaf.shape[lead:], len(like.shape)))
     widths = [(0, 0)] * lead + [(0, t - s) for s, t in
                                 zip(leaf.shape[lead:], like.shape)]
     return jnp.pad(leaf, widths)
@@ -136,10 +151,14 @@ def pad_to(tree: Params, shapes: Params, *, lead: int = 0) -> Params:
 
 
 def trim_to(tree: Params, shapes: Params) -> Params:
-  """The leading corner of every leaf with the shape of `shapes`' leaf."""
-  return jax.tree.map(
-      lambda leaf, like: leaf[tuple(slice(0, s) for s in np.shape(like))],
-      tree, shapes)
+  """The leading corner of every leaf with the shape of `shapes`' leaf (of
+  its matrix view, reshaped back, when the leaf has fewer axes)."""
+  def trim(leaf, like):
+    target = tuple(np.shape(like))
+    view = matrix_view(target, np.ndim(leaf))
+    out = leaf[tuple(slice(0, s) for s in view)]
+    return out.reshape(target) if view != target else out
+  return jax.tree.map(trim, tree, shapes)
 
 
 def align_stacked(stacked: list[Params], coverage: list[Params | None],

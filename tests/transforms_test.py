@@ -227,6 +227,29 @@ class AlignTest(absltest.TestCase):
                                  {'k': a['k'][0]})
     np.testing.assert_allclose(trimmed['k'], expected[:, :2])
 
+  def test_kernels_of_different_ranks_align_as_matrices(self):
+    """A conv kernel [kh, kw, cin, out] shared with a dense kernel [in, out]
+    is aligned as its [kh*kw*cin, out] matrix, and trims back to its own
+    shape exactly."""
+    conv = jnp.arange(2 * 2 * 1 * 3, dtype=jnp.float32).reshape(2, 2, 1, 3)
+    dense = jnp.full((5, 2), 100.0)
+    shapes = cohort_lib.aligned_shapes([{'k': conv}, {'k': dense}])
+    self.assertEqual(shapes['k'].shape, (5, 3))
+    updates, cov = cohort_lib.align_stacked(
+        [{'k': conv[None]}, {'k': dense[None]}], [None, None], shapes)
+    chex.assert_shape(updates['k'], (2, 5, 3))
+    avg = np.asarray(jnp.sum(updates['k'] * cov['k'], 0)
+                     / jnp.maximum(jnp.sum(cov['k'], 0), 1))
+    matrix = np.arange(12, dtype=np.float32).reshape(4, 3)
+    expected = np.zeros((5, 3), np.float32)
+    expected[:4] = matrix
+    expected[:, :2] += 100.0
+    expected[:4, :2] /= 2
+    np.testing.assert_allclose(avg, expected, rtol=1e-6)
+    back = cohort_lib.trim_to({'k': jnp.asarray(avg)}, {'k': conv})
+    chex.assert_shape(back['k'], (2, 2, 1, 3))
+    np.testing.assert_allclose(back['k'].reshape(4, 3), expected[:4])
+
   def test_roles_split_and_join(self):
     model = tiny('mlp')
     params = model.init(jax.random.key(0))
