@@ -51,6 +51,18 @@ def single_cohort(model, transform: Transform, num_clients: int,
                  clients_per_round, tuple(specs)),)
 
 
+def member_positions(cohorts: tuple[Cohort, ...]) -> list[jax.Array]:
+  """Per cohort, int32[K]: a client id's row in that cohort's per-client
+  stacks (its index in `members`; 0 for non-members)."""
+  k = max(max(c.members) for c in cohorts) + 1
+  out = []
+  for c in cohorts:
+    pos = np.zeros(k, np.int32)
+    pos[list(c.members)] = np.arange(len(c.members))
+    out.append(jnp.asarray(pos))
+  return out
+
+
 def split_roles(tree: dict, model, roles: tuple[str, ...]
                 ) -> tuple[dict, dict]:
   """(shared {role: subtree}, private tree without those subtrees).

@@ -33,11 +33,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fedrobust.aggregators.base import Aggregator
-from fedrobust.cohort import Cohort
+from fedrobust.cohort import Cohort, member_positions
 from fedrobust.errors import SettingError
 from fedrobust.local import (LocalConfig, classification_loss, local_sgd,
                              make_batch_plan)
@@ -106,12 +105,7 @@ def fedala(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     head = c.model.roles['head']
     order = [p for p in order if p != head] + [head]
     tops.append(order[-layers:])
-  k_all = max(max(c.members) for c in cohorts) + 1
-  positions = []
-  for c in cohorts:
-    pos = np.zeros(k_all, np.int32)
-    pos[list(c.members)] = np.arange(len(c.members))
-    positions.append(jnp.asarray(pos))
+  positions = member_positions(cohorts)
 
   def mix(global_p, local_p, weights, paths):
     """Eq. 4 on the top layers; the global values elsewhere."""

@@ -21,11 +21,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fedrobust.aggregators.base import Aggregator
-from fedrobust.cohort import Cohort
+from fedrobust.cohort import Cohort, member_positions
 from fedrobust.errors import SettingError
 from fedrobust.local import LocalConfig, classification_loss, local_sgd
 from fedrobust.methods.base import (MethodSpec, cohort_aggregation,
@@ -109,12 +108,7 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
            if c.transform.spec_name and len(c.specs) else None
            for c in cohorts]
   # A client's row in its cohort's backbone stack.
-  k = max(max(c.members) for c in cohorts) + 1
-  positions = []
-  for c in cohorts:
-    pos = np.zeros(k, np.int32)
-    pos[list(c.members)] = np.arange(len(c.members))
-    positions.append(jnp.asarray(pos))
+  positions = member_positions(cohorts)
   warmup = local._replace(num_epochs=warmup_epochs) if private else None
 
   def init(params, num_clients, key):
