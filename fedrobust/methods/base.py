@@ -67,6 +67,17 @@ def server_step(params: Params, update: Params, server_lr: float) -> Params:
   return jax.tree.map(lambda w, d: w + server_lr * d, params, update)
 
 
+def aggregate_and_step(aggregation, params: tuple, arrivals, agg_state,
+                       key, server_lr: float):
+  """A cohort method's server round: aggregate every cohort's arrivals,
+  then take the server step per cohort. Returns (params, agg_state, info).
+  """
+  update, agg_state, info = aggregation.aggregate(params, arrivals,
+                                                  agg_state, key)
+  return (tuple(server_step(p, u, server_lr) for p, u in zip(params, update)),
+          agg_state, info)
+
+
 def extras_of(arrivals: Arrivals, **more) -> dict[str, Any]:
   """The aggregator keyword extras a cohort's arrivals carry (plus `more`,
   e.g. params or scores)."""

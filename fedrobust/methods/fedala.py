@@ -40,8 +40,8 @@ from fedrobust.cohort import Cohort, member_positions
 from fedrobust.errors import SettingError
 from fedrobust.local import (LocalConfig, classification_loss, local_sgd,
                              make_batch_plan)
-from fedrobust.methods.base import (MethodSpec, check_cohorts,
-                                    cohort_aggregation, server_step)
+from fedrobust.methods.base import (MethodSpec, aggregate_and_step,
+                                    check_cohorts, cohort_aggregation)
 from fedrobust.methods.fedavg import SHARE, parse_share
 from fedrobust.settings import Setting
 from fedrobust.transforms.base import get_path, set_path
@@ -178,10 +178,9 @@ def fedala(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
 
   def server_update(state, arrivals, key, server_data):
     del server_data
-    update, agg_state, info = aggregation.aggregate(
-        state.params, arrivals, state.method_state.agg, key)
-    params = tuple(server_step(p, u, server_lr)
-                   for p, u in zip(state.params, update))
+    params, agg_state, info = aggregate_and_step(
+        aggregation, state.params, arrivals, state.method_state.agg, key,
+        server_lr)
     clients = tuple(
         scatter_clients(state.method_state.clients[j],
                         positions[j][a.ids], a.outputs.client_state, a.mask)

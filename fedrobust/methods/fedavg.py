@@ -27,8 +27,8 @@ from fedrobust.aggregators.base import Aggregator
 from fedrobust.cohort import Cohort, member_positions
 from fedrobust.errors import SettingError
 from fedrobust.local import LocalConfig, classification_loss, local_sgd
-from fedrobust.methods.base import (MethodSpec, cohort_aggregation,
-                                    eval_models_of, server_step,
+from fedrobust.methods.base import (MethodSpec, aggregate_and_step,
+                                    cohort_aggregation, eval_models_of,
                                     transformed_sgd_update)
 from fedrobust.settings import Setting
 from fedrobust.types import EvalModel, Method
@@ -163,10 +163,9 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
 
   def server_update(state, arrivals, key, server_data):
     del server_data
-    update, agg_state, info = aggregation.aggregate(
-        state.params, arrivals, state.method_state.agg, key)
-    params = tuple(server_step(p, u, server_lr)
-                   for p, u in zip(state.params, update))
+    params, agg_state, info = aggregate_and_step(
+        aggregation, state.params, arrivals, state.method_state.agg, key,
+        server_lr)
     return params, state.method_state._replace(agg=agg_state), info
 
   def eval_models(state):
