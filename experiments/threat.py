@@ -132,7 +132,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
   plain = len(cohorts) <= 1 and all(ch.transform.name == 'identity'
                                     for ch in cohorts)
   if (name in aggregators.SERVER_DATA_RULES or
-      name in aggregators.MODEL_TRACKING_RULES) and not plain:
+      (name in aggregators.MODEL_TRACKING_RULES and
+       name not in aggregators.CHANGE_TRACKING_RULES)) and not plain:
     raise ValueError(f'--aggregator={name} scores or trains the full global '
                      'model: it needs one cohort and --transform=identity')
   if name in aggregators.SERVER_DATA_RULES:
@@ -151,12 +152,14 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                        ('server_steps', steps)):
       agg_kwargs.setdefault(key, value)
   if name in aggregators.SLOT_HISTORY_RULES:
-    if c != k or delayed or len(cohorts) > 1:
-      raise ValueError(f'--aggregator={name} keeps per-slot history and '
-                       'needs every client every round, in one cohort and '
-                       'without --client_delay: set --clients_per_round=0 '
-                       '(all)')
-    agg_kwargs.setdefault('num_clients', c)
+    by_id = name in aggregators.ID_HISTORY_RULES
+    if c != k or delayed or (len(cohorts) > 1 and not by_id):
+      raise ValueError(f'--aggregator={name} keeps per-client history and '
+                       'needs every client every round'
+                       + ('' if by_id else ', in one cohort') +
+                       ' and without --client_delay: set '
+                       '--clients_per_round=0 (all)')
+    agg_kwargs.setdefault('num_clients', k if by_id else c)
   if (name in aggregators.MODEL_TRACKING_RULES and
       config['server_lr'] != 1.0):
     raise ValueError(f'--aggregator={name} tracks the global model and '

@@ -680,29 +680,12 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         err, method if method in METHODS else 'fedavg')) from err
 
 
-def auto_devices_for_rule(config: dict[str, Any]) -> int:
-  """--cpu_devices, except that auto (0) means 1 with the horus rule: its
-  round has hung on 2 CPU devices in some settings (the AGR-tailored
-  attack, LoRA on middle layers, full-parameter variants; BUILD_NOTES §5),
-  so it is not the default until that is understood. An explicit count is
-  kept."""
-  rule = config.get('aggregator', 'auto')
-  if rule == 'auto':
-    rule = 'horus' if config.get('method') == 'horus' else rule
-  if config['cpu_devices'] == 0 and rule == 'horus':
-    logging.warning('--cpu_devices=0 (auto): using 1 CPU device with the '
-                    'horus rule (2 devices can hang, BUILD_NOTES §5); pass '
-                    '--cpu_devices=2 to override')
-    return 1
-  return config['cpu_devices']
-
-
 def _run(config: dict[str, Any]) -> dict[str, Any]:
   started = time.perf_counter()
   config = resolve(config)
   validate(config)
   # Before anything starts JAX's CPU backend (a no-op once it has).
-  configure_cpu_devices(auto_devices_for_rule(config),
+  configure_cpu_devices(config['cpu_devices'],
                         config['clients_per_round'])
   program = build(config)
   workdir = config['workdir']

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedrobust.aggregators import call_aggregator
 from fedrobust.aggregators import fldetector as fldetector_lib
 from fedrobust.aggregators import lasa as lasa_lib
 from fedrobust.aggregators.finetune import make_server_sgd
@@ -272,6 +273,39 @@ class BehaviourTest(absltest.TestCase):
     for f in flagged[3:]:
       np.testing.assert_array_equal(f, np.arange(SLOTS) == attacker)
     self.assertEqual(weights[attacker], 0.0)
+
+  def test_fldetector_history_follows_the_client_id(self):
+    """Clients move between slots every round (ids given) and a masked
+    padded slot with a garbage update sits among them: the history follows
+    the id, so the noise client is flagged wherever it lands."""
+    k = SLOTS - 1
+    agg = SERVER_AIDED['fldetector'](num_byzantine=1, num_clients=k,
+                                     window=2, warmup=2)
+    step = jax.jit(lambda u, m, st, key, ids: call_aggregator(
+        agg, u, m, st, key, ids=ids))
+    state = agg.init(PARAMS)
+    rng = np.random.default_rng(4)
+    a = rng.normal(size=(15, 15))
+    hess = 0.2 * (a @ a.T / 15 + np.eye(15))
+    targets = rng.normal(size=(k, 15))
+    attacker = 3
+    for round_ in range(7):
+      w = flat1(state.params)
+      x = -0.1 * (w[None] - targets) @ hess
+      x += 1e-4 * rng.normal(size=x.shape)
+      x[attacker] = 0.5 * rng.normal(size=15)
+      order = rng.permutation(k)                 # slot s holds client order[s]
+      slots = np.concatenate([x[order], np.full((1, 15), np.nan)])
+      ids = np.concatenate([order, [0]]).astype(np.int32)
+      mask = np.arange(SLOTS) < k
+      _, state, info = step(tree(slots), jnp.asarray(mask), state,
+                            jax.random.key(round_), jnp.asarray(ids))
+      flagged = np.asarray(info['flagged'])
+      if round_ >= 3:
+        np.testing.assert_array_equal(flagged, (ids == attacker) & mask)
+        self.assertEqual(int(np.argmax(np.asarray(info['suspicion']))),
+                         int(np.flatnonzero(order == attacker)[0]))
+      assert_finite_tree(self, state)
 
   def test_lbfgs_hvp_secant_and_absent_pairs(self):
     rng = np.random.default_rng(5)

@@ -26,17 +26,6 @@ class CpuDevicesTest(absltest.TestCase):
     self.assertEqual(devices.auto_cpu_devices(100, cores=16), 15)
     self.assertGreaterEqual(devices.available_cores(), 1)
 
-  def test_auto_means_one_device_with_the_horus_rule(self):
-    from experiments import train  # pylint: disable=g-import-not-at-top
-    pick = lambda **kw: train.auto_devices_for_rule(
-        dict({'cpu_devices': 0, 'method': 'fedavg', 'aggregator': 'auto'},
-             **kw))
-    self.assertEqual(pick(), 0)                            # auto stays auto
-    self.assertEqual(pick(method='horus'), 1)
-    self.assertEqual(pick(aggregator='horus'), 1)
-    self.assertEqual(pick(method='horus', aggregator='median'), 0)
-    self.assertEqual(pick(method='horus', cpu_devices=2), 2)  # explicit wins
-
   def test_negative_count_names_the_flag(self):
     with self.assertRaisesRegex(ValueError, '--cpu_devices must be >= 0'):
       devices.configure_cpu_devices(-1, 10)

@@ -5,6 +5,8 @@ average is tests/transforms_test.py::AlignTest; HOPS against NumPy is
 tests/spectral_test.py.
 """
 
+import re
+
 from absl.testing import absltest
 import chex
 import jax
@@ -122,6 +124,33 @@ class RuleTest(absltest.TestCase):
     np.testing.assert_allclose(np.delete(weights, 7), 1.0)
     np.testing.assert_allclose(out['l']['a'], np.delete(a, 7, 0).mean(0),
                                rtol=1e-5, atol=1e-6)
+
+
+  def test_no_batched_lapack_call_on_cpu(self):
+    """Regression: batched LAPACK kernels deadlocked the round on 2 CPU
+    devices (spectral.per_matrix). The rule's compiled program may call
+    gesdd/syevd on single matrices only, never on a [C, m, n] batch."""
+    if jax.default_backend() != 'cpu':
+      self.skipTest('the CPU path only')
+    agg = get_aggregator('horus')
+    params = {'l': {'a': jnp.zeros((20, 8)), 'b': jnp.zeros((8, 3))}}
+    updates = {'l': {'a': jnp.ones((6, 20, 8)), 'b': jnp.ones((6, 8, 3))}}
+    run = lambda u: call_aggregator(agg, u, jnp.ones(6, bool),
+                                    agg.init(params), jax.random.key(0),
+                                    params=params, coverage=None)
+    text = jax.jit(run).lower(updates).as_text()
+    calls = re.findall(r'custom_call @(lapack_\w+)\(.*?:\s*\((tensor<[^>]*>)',
+                       text)
+    self.assertNotEmpty(calls)
+    for target, operand in calls:
+      dims = operand[len('tensor<'):-1].split('x')[:-1]
+      self.assertLen(dims, 2, f'{target} takes a batch: {operand}')
+    gram = jnp.ones((6, 8, 8))
+    text = jax.jit(lambda g: spectral.singular_values(g)).lower(
+        gram).as_text()
+    for target, operand in re.findall(
+        r'custom_call @(lapack_\w+)\(.*?:\s*\((tensor<[^>]*>)', text):
+      self.assertLen(operand[len('tensor<'):-1].split('x')[:-1], 2, target)
 
 
 class PipelineTest(absltest.TestCase):

@@ -276,11 +276,15 @@ class EndToEndTest(IdxDataTestCase):
     for name, cohort in summary['cohorts'].items():
       self.assertLess(cohort['upload_bytes_per_client']['rank=4'],
                       cohort['full_model_bytes'] / 10, name)
+    # FLDetector too: its history follows client ids, so it runs on the
+    # shared layers of both cohorts (K = 4 history rows).
     baseline = train.run(base_config(
         self.data_dir, self.create_tempdir().full_path,
-        **dict(horus, method='fedavg', aggregator='median')))
-    self.assertEqual(baseline['resolved']['aggregator'], 'median')
+        **dict(horus, method='fedavg', aggregator='fldetector')))
+    self.assertEqual(baseline['resolved']['aggregator'], 'fldetector')
     self.assertTrue(np.isfinite(baseline['final']['test_accuracy']))
+    self.assertLen(baseline['final']['clients']['suspicion'], 4)
+    self.assertIn('shared/detecting', baseline['final'])
 
   def test_fedala_personalises_per_client(self):
     summary = train.run(base_config(

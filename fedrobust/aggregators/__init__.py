@@ -117,10 +117,15 @@ __all__ = ['AGGREGATORS', 'Aggregator', 'EXTRAS', 'SERVER_AIDED',
 
 # Rules that read the server's clean data (factory args server_data, apply_fn).
 SERVER_DATA_RULES = ('fltrust', 'sageflow', 'finetune')
-# Rules whose history is indexed by slot: need every client every round, in
-# the same order, and num_clients=C.
+# Rules with per-client history: need every client every round, without
+# delays. Slot-indexed ones also need the same slot order (num_clients=C);
+# id-indexed ones (ID_HISTORY_RULES, num_clients=K) read the `ids` extra and
+# run on any group of clients, e.g. the shared layers of several cohorts.
 SLOT_HISTORY_RULES = ('foolsgold', 'fldetector')
+ID_HISTORY_RULES = ('fldetector',)
 # Rules that track the global model in their state, assuming the server
-# applies params + update with server lr 1.
+# applies params + update with server lr 1. FLDetector uses only the
+# model's changes (w_t - w_{t-1}), so it also runs on a cohort group.
 MODEL_TRACKING_RULES = ('fltrust', 'crfl', 'fldetector', 'sageflow',
                         'finetune')
+CHANGE_TRACKING_RULES = ('fldetector',)

@@ -31,10 +31,14 @@ Nobody is excluded until `warmup` rounds of scores exist. Pairs with
 non-positive curvature s^T y <= 1e-10 ||s|| ||y|| are skipped, as in
 standard L-BFGS, and a singular solve falls back to H v = 0.
 
-Slot-indexed history: g_i^{t-1} and the score window are indexed by slot
-position, which identifies a client only under full participation with a
-stable order (the SDFC setting). A slot that was masked or non-finite in
-the previous round gets no score this round.
+Per-client history: g_i^{t-1} and the score window are indexed by client
+id (the `ids` extra; K = num_clients rows), so a client keeps its history
+whichever slot it lands in, and the rule runs unchanged on any group of
+clients (one cohort, the shared layers of several cohorts, or one cohort's
+own layers). A client that was absent, masked or non-finite in the
+previous round gets no score this round, so the prediction (which assumes
+consecutive rounds) is only used for clients present in both. Called
+without `ids`, slot c is client c (num_clients = C slots).
 
 Deviations from the paper: a flagged client is excluded from THIS round's
 aggregate (the paper removes detected clients and restarts training); the
@@ -86,13 +90,13 @@ class FLDetectorState(NamedTuple):
   params: Params             # w_t, the current global model
   prev_params: jax.Array     # float32[D], w_{t-1}
   prev_global: jax.Array     # float32[D], g_{t-1} (-(update of round t-1))
-  prev_updates: jax.Array    # float32[C, D], g_i^{t-1} (0 where invalid)
-  prev_valid: jax.Array      # bool[C], slot was real and finite at t-1
+  prev_updates: jax.Array    # float32[K, D], g_i^{t-1} (0 where invalid)
+  prev_valid: jax.Array      # bool[K], client was present and finite at t-1
   delta_w: jax.Array         # float32[N, D], L-BFGS s vectors, oldest first
   delta_g: jax.Array         # float32[N, D], L-BFGS y vectors
   pair_mask: jax.Array       # bool[N], pair present
-  scores: jax.Array          # float32[N, C], normalised distances, oldest first
-  score_mask: jax.Array      # bool[N, C], distance computed
+  scores: jax.Array          # float32[N, K], normalised distances, oldest first
+  score_mask: jax.Array      # bool[N, K], distance computed
   round: jax.Array           # int32[], rounds aggregated so far
 
 
@@ -202,8 +206,10 @@ def fldetector(*, num_byzantine: int, num_clients: int | None = None,
 
   Args:
     num_byzantine: unused (detection needs no f).
-    num_clients: C, slots per round. Give it: with None the per-slot state
-      is created on the first call (the state changes shape once).
+    num_clients: K, the clients that can appear (ids in [0, K)); without
+      ids, the slots per round. Give it: with None the per-client state is
+      created on the first call, sized by the slot count (the state changes
+      shape once).
     window: N, the L-BFGS memory and the score-averaging window (the
       paper's N = 10).
     warmup: rounds of scores required before anyone is excluded
@@ -251,16 +257,24 @@ def fldetector(*, num_byzantine: int, num_clients: int | None = None,
     shifted = jnp.concatenate([buffer[1:], row[None]], axis=0)
     return jnp.where(when, shifted, buffer)
 
-  def aggregate(updates, mask, state, key):
+  def aggregate(updates, mask, state, key, *, ids=None):
     flat = ravel_clients(updates).astype(jnp.float32)
     c, d = flat.shape
     if state.prev_updates.shape[0] == 0:    # num_clients=None: size it now
       state = fresh(state.params, c, d)._replace(round=state.round)
-    if state.prev_updates.shape != (c, d):
-      raise setting('fldetector', 'num_clients', 'state holds '
-                    f'{state.prev_updates.shape[0]} slots, the round has '
-                    f'{c}; pass num_clients={c}')
+    k = state.prev_updates.shape[0]
+    if ids is None:
+      if k != c:
+        raise setting('fldetector', 'num_clients', f'state holds {k} '
+                      f'clients, the round has {c} slots and no ids; pass '
+                      f'num_clients={c}')
+      ids = jnp.arange(c, dtype=jnp.int32)
+    if state.prev_updates.shape[1] != d:
+      raise setting('fldetector', 'num_clients', f'state holds updates of '
+                    f'size {state.prev_updates.shape[1]}, the round {d}')
     valid = finite_clients(flat, mask)
+    # Masked slots write nowhere (row k is dropped) and read row 0 unused.
+    rows = jnp.where(mask, jnp.asarray(ids, jnp.int32), k)
     clean = select_rows(flat, valid)
     grads = -clean                                    # gradient-like g_i^t
     w = ravel_one(state.params)
@@ -269,17 +283,23 @@ def fldetector(*, num_byzantine: int, num_clients: int | None = None,
     # Consistency scores: prediction, normalised distance, window mean.
     hv = lbfgs_hvp(state.delta_w, state.delta_g, state.pair_mask,
                    w - state.prev_params)
-    dist = safe_norm(state.prev_updates + hv[None, :] - grads, axis=1)
+    prev = state.prev_updates.at[rows].get(mode='fill', fill_value=0.0)
+    prev_valid = state.prev_valid.at[rows].get(mode='fill', fill_value=False)
+    dist = safe_norm(prev + hv[None, :] - grads, axis=1)
     dist = jnp.where(jnp.isfinite(dist), jnp.minimum(dist, 1e30), 1e30)
-    scored = valid & state.prev_valid & have_prev
+    scored = valid & prev_valid & have_prev
     dist = jnp.where(scored, dist, 0.0)
     total = jnp.sum(dist)
     dist = jnp.where(total > 0, dist / jnp.where(total > 0, total, 1.0), 0.0)
-    scores = push(state.scores, dist, have_prev)
-    score_mask = push(state.score_mask, scored, have_prev)
+    scatter = lambda fill, x: jnp.full((k,), fill, x.dtype).at[rows].set(
+        x, mode='drop')
+    scores = push(state.scores, scatter(0.0, dist), have_prev)
+    score_mask = push(state.score_mask, scatter(False, scored), have_prev)
     count = jnp.sum(score_mask.astype(jnp.float32), axis=0)
     suspicion = jnp.sum(jnp.where(score_mask, scores, 0.0), axis=0) / (
         jnp.maximum(count, 1.0))
+    suspicion = suspicion.at[rows].get(mode='fill', fill_value=0.0)
+    count = count.at[rows].get(mode='fill', fill_value=0.0)
     candidates = valid & (count > 0)
 
     # Detection (gap statistic, then exclude the high group).
@@ -302,8 +322,8 @@ def fldetector(*, num_byzantine: int, num_clients: int | None = None,
         params=tree_add(state.params, update),
         prev_params=w,
         prev_global=g,
-        prev_updates=grads,
-        prev_valid=valid,
+        prev_updates=state.prev_updates.at[rows].set(grads, mode='drop'),
+        prev_valid=scatter(False, valid),
         delta_w=push(state.delta_w, s_vec, pair_ok),
         delta_g=push(state.delta_g, y_vec, pair_ok),
         pair_mask=push(state.pair_mask, pair_ok, pair_ok),
@@ -318,4 +338,4 @@ def fldetector(*, num_byzantine: int, num_clients: int | None = None,
             'detecting': detecting & two}
     return update, new_state, info
 
-  return Aggregator(init, aggregate)
+  return Aggregator(init, aggregate, reads=('ids',))

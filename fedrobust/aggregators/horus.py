@@ -79,8 +79,9 @@ def _matrix(leaf: jax.Array) -> jax.Array:
 
 def first_direction(mats: jax.Array) -> jax.Array:
   """float[C, m, n] -> float32[C, m]: the first left singular vectors."""
-  u, _, _ = jnp.linalg.svd(mats.astype(jnp.float32), full_matrices=False)
-  return u[..., 0]
+  return spectral.per_matrix(
+      lambda m: jnp.linalg.svd(m, full_matrices=False)[0][:, 0],
+      mats.astype(jnp.float32))
 
 
 def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,

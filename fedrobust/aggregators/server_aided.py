@@ -10,7 +10,7 @@
 | foolsgold  | num_clients (slots)         | per-slot update history        |
 | rlr        | -                           | () (stateless)                 |
 | crfl       | -                           | params                         |
-| fldetector | num_clients (slots)         | params + per-slot history      |
+| fldetector | num_clients (K, by id)      | params + per-client history    |
 | lasa       | -                           | () (stateless)                 |
 | sageflow   | server_data, apply_fn       | params                         |
 | finetune   | server_data, apply_fn       | params                         |
@@ -31,13 +31,16 @@ Global-model contract (fltrust, crfl, fldetector, sageflow, finetune):
     already contains the clipping/noise or the fine-tuning, so scaling it by
     a server lr != 1 changes the method.
 
-Slot-indexed history (foolsgold, fldetector): the aggregate API carries no
-client ids, so per-client history is indexed by slot position c in [0, C)
-and is meaningful only when slot c holds the same client in every round,
-i.e. full participation with a stable order (the SDFC setting, where the
-engine's sorted ids make the order stable). Pass num_clients=C so that the
-state has its final shape from init (otherwise it is sized, once, by the
-first aggregate call).
+Slot-indexed history (foolsgold): per-client history is indexed by slot
+position c in [0, C) and is meaningful only when slot c holds the same
+client in every round, i.e. full participation with a stable order (the
+SDFC setting, where the engine's sorted ids make the order stable). Pass
+num_clients=C so that the state has its final shape from init (otherwise
+it is sized, once, by the first aggregate call). FLDetector reads the
+`ids` extra instead and indexes its history by client id (num_clients=K):
+it follows a client across slots and runs on any group of clients. Its
+tracked `params` enter only through w_t - w_{t-1}, so starting it from
+zeros (a cohort group's init) changes nothing.
 
 Server data: `server_data=(x uint8[V, H, W, Ch], y int32[V])`, `apply_fn`
 the model's pure apply (params, x float) -> logits. Images are normalised

@@ -12,7 +12,8 @@ with mu_R the round mean of 1 - R and mu_H, sigma_H the round mean and
 standard deviation of H, all over the round's real clients (mask). Masked
 slots get score 0 and do not enter the statistics.
 
-Singular values of all clients are taken in one batched call. For a wide
+Singular values of all clients are taken in one batched call on GPU/TPU;
+on CPU `per_matrix` loops over the clients instead (see there). For a wide
 [r, d] matrix (r << d) the eigenvalues of the r x r Gram matrix A A^T give
 s_i^2 at a fraction of the SVD's cost ('gram'); 'svd' uses
 jnp.linalg.svd(compute_uv=False). The Gram route squares the condition
@@ -30,6 +31,22 @@ import jax.numpy as jnp
 SV_METHODS = ('gram', 'svd')
 
 
+def per_matrix(fn, mats: jax.Array):
+  """fn over the leading (client) axis of `mats`: batched, except on CPU.
+
+  On CPU jaxlib's batched LAPACK kernels (gesdd, syevd) split the batch
+  over XLA's intra-op thread pool and block until it is done. With one XLA
+  device per core, each device's kernel can occupy one of the pool's
+  threads while waiting for tasks that only the pool can run: the process
+  deadlocks (native stacks of the hung round: both `tf_XLAEigen` threads in
+  `jax::ParallelBatchMap` -> `BlockingCounter::Wait`). One matrix per call
+  (lax.map) never posts tasks. On GPU/TPU the batched call is kept.
+  """
+  if jax.default_backend() == 'cpu':
+    return lax.map(fn, mats)
+  return jax.vmap(fn)(mats)
+
+
 def singular_values(mats: jax.Array, method: str = 'gram') -> jax.Array:
   """float[C, m, n] -> float32[C, min(m, n)], descending."""
   if method not in SV_METHODS:
@@ -37,12 +54,12 @@ def singular_values(mats: jax.Array, method: str = 'gram') -> jax.Array:
                      f'{SV_METHODS}')
   mats = mats.astype(jnp.float32)
   if method == 'svd':
-    return jnp.linalg.svd(mats, compute_uv=False)
+    return per_matrix(lambda m: jnp.linalg.svd(m, compute_uv=False), mats)
   if mats.shape[-2] > mats.shape[-1]:
     mats = jnp.swapaxes(mats, -1, -2)
   gram = jnp.einsum('cij,ckj->cik', mats, mats,
                     precision=lax.Precision.HIGHEST)
-  eig = jnp.linalg.eigvalsh(gram)                  # ascending
+  eig = per_matrix(jnp.linalg.eigvalsh, gram)      # ascending
   return jnp.sqrt(jnp.maximum(eig[..., ::-1], 0.0))
 
 
