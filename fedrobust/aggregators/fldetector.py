@@ -77,6 +77,7 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator
+from fedrobust.aggregators.clustering import kmeans2_1d
 from fedrobust.aggregators.mean import setting
 from fedrobust.aggregators.finetune import (finite_clients, masked_median,
                                             ravel_one, safe_norm,
@@ -139,27 +140,6 @@ def lbfgs_hvp(s: jax.Array, y: jax.Array, present: jax.Array,
   return jnp.where(ok, hv, 0.0)
 
 
-def _kmeans2(x: jax.Array, keep: jax.Array, iters: int
-             ) -> tuple[jax.Array, jax.Array]:
-  """1-D k-means, k = 2, on x[C] where keep: (high-cluster bool[C], W_2)."""
-  lo = jnp.min(jnp.where(keep, x, jnp.inf))
-  hi = jnp.max(jnp.where(keep, x, -jnp.inf))
-
-  def step(centers, _):
-    lo, hi = centers
-    upper = jnp.abs(x - hi) < jnp.abs(x - lo)
-    def mean(sel, old):
-      cnt = jnp.sum(sel.astype(x.dtype))
-      return jnp.where(cnt > 0, jnp.sum(jnp.where(sel, x, 0.0)) /
-                       jnp.maximum(cnt, 1.0), old)
-    return (mean(keep & ~upper, lo), mean(keep & upper, hi)), None
-
-  (lo, hi), _ = jax.lax.scan(step, (lo, hi), None, length=iters)
-  upper = jnp.abs(x - hi) < jnp.abs(x - lo)
-  centre = jnp.where(upper, hi, lo)
-  return keep & upper, jnp.sum(jnp.where(keep, jnp.square(x - centre), 0.0))
-
-
 def _w1(x: jax.Array, keep: jax.Array) -> jax.Array:
   n = jnp.maximum(jnp.sum(keep.astype(x.dtype)), 1.0)
   mean = jnp.sum(jnp.where(keep, x, 0.0)) / n
@@ -180,7 +160,7 @@ def gap_two_groups(scores: jax.Array, keep: jax.Array, key: jax.Array, *,
   spread = hi - lo
   ok = (n >= 3) & (spread > 0) & jnp.isfinite(spread)
   x = jnp.where(keep & ok, (scores - lo) / jnp.where(ok, spread, 1.0), 0.0)
-  high, w2 = _kmeans2(x, keep, iters)
+  high, w2 = kmeans2_1d(x, keep, iters)
   w1 = _w1(x, keep)
   # Reference sets: uniform on [0, 1]. Client i draws its B values from a
   # key folded with its rank among the kept clients, so masked slots never
@@ -189,7 +169,7 @@ def gap_two_groups(scores: jax.Array, keep: jax.Array, key: jax.Array, *,
   ref = jax.vmap(lambda r: jax.random.uniform(
       jax.random.fold_in(key, r), (samples,)))(rank).T          # [B, C]
   ref_w1 = jax.vmap(lambda u: _w1(u, keep))(ref)
-  ref_w2 = jax.vmap(lambda u: _kmeans2(u, keep, iters)[1])(ref)
+  ref_w2 = jax.vmap(lambda u: kmeans2_1d(u, keep, iters)[1])(ref)
   tiny = 1e-12
   log_ref1, log_ref2 = jnp.log(ref_w1 + tiny), jnp.log(ref_w2 + tiny)
   gap1 = jnp.mean(log_ref1) - jnp.log(w1 + tiny)

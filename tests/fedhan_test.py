@@ -1,0 +1,211 @@
+"""FedHAN's server pieces: Eq. 3-9 by hand, DBSCAN and 2-means against
+NumPy references, detection, and L-BFGS on a quadratic."""
+
+from absl.testing import absltest
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust.aggregators import clustering
+from fedrobust.aggregators.fldetector import lbfgs_hvp
+from fedrobust.methods import fedhan_cache as fc
+
+BETA, ALPHA = 0.5, 0.2
+
+
+def np_dbscan(x, eps, min_samples):
+  """Textbook DBSCAN (breadth-first expansion in index order)."""
+  x = np.asarray(x, np.float64).reshape(len(x), -1)
+  n = len(x)
+  dist = np.linalg.norm(x[:, None] - x[None], axis=-1)
+  near = dist <= eps
+  core = near.sum(1) >= min_samples
+  labels = np.full(n, -1)
+  cluster = 0
+  for i in range(n):
+    if not core[i] or labels[i] >= 0:
+      continue
+    labels[i] = cluster
+    queue = [i]
+    while queue:
+      p = queue.pop(0)
+      for q in np.flatnonzero(near[p]):
+        if labels[q] < 0:
+          labels[q] = cluster
+          if core[q]:
+            queue.append(q)
+    cluster += 1
+  return labels
+
+
+def same_partition(a, b):
+  """Equal up to renaming clusters; noise (-1) must match exactly."""
+  a, b = np.asarray(a), np.asarray(b)
+  if not np.array_equal(a < 0, b < 0):
+    return False
+  pairs = {(x, y) for x, y in zip(a, b) if x >= 0}
+  return (len(pairs) == len({x for x, _ in pairs}) ==
+          len({y for _, y in pairs}))
+
+
+class CacheTest(absltest.TestCase):
+  """Three clients, D = 4, two rounds worked by hand (module docstring)."""
+
+  def rounds(self):
+    cache = fc.init_cache(3, 4)
+    g_a, g_b = jnp.full((4,), 10.0), jnp.full((4,), -10.0)
+    # Round 1: client 0 (first half, tau 0), client 1 (all, tau 1); a
+    # masked third slot with garbage never writes.
+    cache = fc.receive(
+        cache, jnp.array([0, 1, 2]), jnp.array([True, True, False]),
+        jnp.array([[1., 2, 0, 0], [3, 3, 3, 3], [np.nan] * 4]),
+        jnp.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]], bool),
+        jnp.array([0, 1, 0]), jnp.stack([g_a, g_b, g_b]),
+        round_=jnp.int32(1), beta=BETA)
+    r1 = cache
+    # Round 2: client 0 (second half, tau 1) and client 2 (coord 0, tau 0).
+    cache = fc.receive(
+        cache, jnp.array([0, 2]), jnp.array([True, True]),
+        jnp.array([[0., 0, 4, 6], [2, 0, 0, 0]]),
+        jnp.array([[0, 0, 1, 1], [1, 0, 0, 0]], bool),
+        jnp.array([1, 0]), jnp.stack([g_b, g_a]),
+        round_=jnp.int32(2), beta=BETA)
+    return r1, cache
+
+  def test_imputation_and_weights_eq3_to_6(self):
+    r1, r2 = self.rounds()
+    np.testing.assert_allclose(r1.gbar, [[1, 2, 0, 0], [3, 3, 3, 3],
+                                         [0, 0, 0, 0]])
+    np.testing.assert_allclose(r1.weight, [[1, 1, 0, 0], [.5] * 4, [0] * 4])
+    self.assertEqual(list(np.asarray(r1.seen)), [True, True, False])
+    # Eq. 6, round 1: per coordinate, p' = M (m + alpha m~).
+    est1 = fc.aggregate_arrivals(r1, jnp.array([0, 1]),
+                                 jnp.array([True, True]), alpha=ALPHA)
+    np.testing.assert_allclose(est1, [2.5 / 1.5, 3.5 / 1.5, 3, 3],
+                               rtol=1e-6)
+    # Round 2 (Eq. 3, 4): client 0 keeps its old first half, weights
+    # beta * 1 there and beta^1 on the new half; client 1 only decays.
+    np.testing.assert_allclose(r2.gbar, [[1, 2, 4, 6], [3, 3, 3, 3],
+                                         [2, 0, 0, 0]])
+    np.testing.assert_allclose(r2.weight, [[.5] * 4, [.25] * 4,
+                                           [1, 0, 0, 0]])
+    # Eq. 9: the global update of the round each model came from.
+    np.testing.assert_allclose(r2.gchk, [[10, 10, -10, -10], [-10] * 4,
+                                         [10, 0, 0, 0]])
+    est2 = fc.aggregate_arrivals(r2, jnp.array([0, 2]),
+                                 jnp.array([True, True]), alpha=ALPHA)
+    # p'_0 = [.1, .1, .5, .5], p'_2 = [1, 0, 0, 0].
+    np.testing.assert_allclose(est2, [2.1 / 1.1, 2, 4, 6], rtol=1e-6)
+    self.assertEqual(list(np.asarray(r2.last)), [2, 1, 2])
+
+  def test_history_selection_eq7_8_and_suspicion(self):
+    _, r2 = self.rounds()
+    ids, mask = jnp.array([0, 2]), jnp.array([True, True])
+    est = fc.aggregate_arrivals(r2, ids, mask, alpha=ALPHA)
+    e = np.asarray(est)
+    cos1 = 3.0 * e.sum() / (6.0 * np.linalg.norm(e))   # [3]*4 vs e
+    gt, selected, sim = fc.select_history(
+        r2, ids, mask, est, round_=jnp.int32(2), sim_min=0.5, tau_max=1,
+        alpha=ALPHA)
+    self.assertAlmostEqual(float(sim[1]), cos1, places=5)
+    self.assertEqual(list(np.asarray(selected)), [False, True, False])
+    np.testing.assert_allclose(gt, [3, 3, 3, 3], rtol=1e-6)
+    # Too stale, or below sim_min: nobody is selected and gtilde is 0.
+    for kwargs in (dict(round_=jnp.int32(3), sim_min=0.5, tau_max=1),
+                   dict(round_=jnp.int32(2), sim_min=0.999, tau_max=1)):
+      gt, selected, _ = fc.select_history(r2, ids, mask, est, alpha=ALPHA,
+                                          **kwargs)
+      self.assertFalse(np.any(np.asarray(selected)))
+      np.testing.assert_array_equal(gt, np.zeros(4))
+    s = fc.suspicion(r2, jnp.array([0, 2, 1]), jnp.array([True, True,
+                                                          False]))
+    np.testing.assert_allclose(
+        s, [np.linalg.norm([9, 8, -14, -16]), 8.0, 0.0], rtol=1e-6)
+
+  def test_jitted_round_matches_eager(self):
+    r1, _ = self.rounds()
+    args = (jnp.array([0, 2]), jnp.array([True, True]),
+            jnp.array([[0., 0, 4, 6], [2, 0, 0, 0]]),
+            jnp.array([[0, 0, 1, 1], [1, 0, 0, 0]], bool),
+            jnp.array([1, 0]), jnp.ones((2, 4)))
+    step = lambda c, *a: fc.receive(c, *a, round_=jnp.int32(2), beta=BETA)
+    chex.assert_trees_all_close(jax.jit(step)(r1, *args), step(r1, *args))
+
+
+class ClusteringTest(absltest.TestCase):
+
+  def test_dbscan_matches_numpy_on_fixed_points(self):
+    rng = np.random.default_rng(0)
+    sets = [
+        np.array([0.0, 0.1, 0.2, 0.25, 3.0, 3.1, 3.15, 9.0]),   # 2 + noise
+        np.array([1.0, 1.05, 1.1, 1.2, 1.3]),                   # one cluster
+        np.concatenate([rng.normal(0, .1, 7), rng.normal(5, .1, 3)]),
+        rng.normal(size=(12, 2)) * np.array([[1.0, 0.2]]),      # 2-D
+    ]
+    for x in sets:
+      for eps, k in ((0.3, 2), (0.5, 3), (1.0, 4)):
+        got = clustering.dbscan(jnp.asarray(x), jnp.ones(len(x), bool),
+                                eps=eps, min_samples=k)
+        want = np_dbscan(x, eps, k)
+        self.assertTrue(same_partition(got, want), (x, eps, k, got, want))
+
+  def test_masked_slots_change_nothing(self):
+    x = np.array([0.0, 0.1, 0.2, 3.0, 3.1, 9.0])
+    got = clustering.dbscan(jnp.asarray(x), jnp.ones(6, bool), eps=0.3,
+                            min_samples=2)
+    # Garbage slots inserted and masked: same labels on the real ones
+    # (labels are slot indices, so compare partitions).
+    xp = np.insert(x, [1, 4], [0.05, 3.05])
+    mp = np.insert(np.ones(6, bool), [1, 4], False)
+    padded = clustering.dbscan(jnp.asarray(xp), jnp.asarray(mp), eps=0.3,
+                               min_samples=2)
+    self.assertTrue(same_partition(np.asarray(padded)[mp], got))
+    self.assertTrue(np.all(np.asarray(padded)[~mp] == -1))
+    self.assertEqual(int(clustering.cluster_count(got)), 2)
+
+  def test_kmeans_matches_numpy_lloyd(self):
+    x = np.array([0.1, 0.3, 0.2, 2.0, 2.4, 0.15, 5.0])
+    high, w2 = clustering.kmeans2_1d(jnp.asarray(x), jnp.ones(7, bool), 10)
+    lo, hi = x.min(), x.max()
+    for _ in range(10):
+      up = np.abs(x - hi) < np.abs(x - lo)
+      lo, hi = x[~up].mean(), x[up].mean()
+    up = np.abs(x - hi) < np.abs(x - lo)
+    np.testing.assert_array_equal(high, up)
+    centre = np.where(up, hi, lo)
+    self.assertAlmostEqual(float(w2), float(np.sum((x - centre) ** 2)),
+                           places=5)
+
+  def test_detect_flags_the_high_group_only_when_split(self):
+    scores = jnp.array([1.0, 1.1, 0.9, 1.05, 6.0, 6.2, 0.0])
+    mask = jnp.array([True] * 6 + [False])
+    flagged, detected = fc.detect(scores, mask, eps=0.5, min_samples=2)
+    self.assertTrue(bool(detected))
+    np.testing.assert_array_equal(flagged, [0, 0, 0, 0, 1, 1, 0])
+    flagged, detected = fc.detect(jnp.array([1.0, 1.1, 0.9, 1.05]),
+                                  jnp.ones(4, bool), eps=0.5, min_samples=2)
+    self.assertFalse(bool(detected))
+    self.assertFalse(np.any(np.asarray(flagged)))
+
+
+class LbfgsTest(absltest.TestCase):
+
+  def test_hvp_is_exact_on_a_quadratic_with_conjugate_pairs(self):
+    """With d H-conjugate pairs (s_k, H s_k) of a d-dim quadratic, the
+    compact L-BFGS matrix is H itself (quadratic termination)."""
+    rng = np.random.default_rng(1)
+    d = 5
+    a = rng.normal(size=(d, d))
+    hess = a @ a.T + d * np.eye(d)
+    _, vecs = np.linalg.eigh(hess)          # orthogonal and H-conjugate
+    s = (vecs.T * rng.uniform(0.5, 2.0, size=(d, 1))).astype(np.float32)
+    y = (s @ hess).astype(np.float32)
+    v = rng.normal(size=d).astype(np.float32)
+    got = jax.jit(lbfgs_hvp)(jnp.asarray(s), jnp.asarray(y),
+                             jnp.ones(d, bool), jnp.asarray(v))
+    np.testing.assert_allclose(got, hess @ v, rtol=2e-3, atol=2e-3)
+
+
+if __name__ == '__main__':
+  absltest.main()
