@@ -126,6 +126,31 @@ class RuleTest(absltest.TestCase):
                                rtol=1e-5, atol=1e-6)
 
 
+  def test_tied_colluders_pass_eq5_and_exclude_ties_removes_them(self):
+    """Two identical rank-1 clients top HOPS: theta (p = 95 of 10) equals
+    their score, so the paper's S > theta keeps them; S >= theta does not.
+    Ten identical clients are all kept under both rules."""
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(10, 20, 8)).astype(np.float32)
+    a[6] = a[7] = np.outer(rng.normal(size=20), rng.normal(size=8)) * 3
+    params = {'l': {'a': jnp.zeros((20, 8)), 'b': jnp.zeros((8, 3))}}
+    b = jnp.zeros((10, 8, 3), jnp.float32)
+    for ties, kept in ((False, 10), (True, 8)):
+      agg = get_aggregator('horus', exclude_ties=ties)
+      _, _, info = call_aggregator(
+          agg, {'l': {'a': jnp.asarray(a), 'b': b}}, jnp.ones(10, bool),
+          agg.init(params), jax.random.key(0), params=params, coverage=None)
+      w = np.asarray(info['weights'])
+      self.assertEqual(int(np.sum(w > 0)), kept, ties)
+      if ties:
+        self.assertEqual(w[6], 0.0)
+        self.assertEqual(w[7], 0.0)
+      same = jnp.broadcast_to(jnp.asarray(a[0]), (10, 20, 8))
+      _, _, info = call_aggregator(
+          agg, {'l': {'a': same, 'b': b}}, jnp.ones(10, bool),
+          agg.init(params), jax.random.key(0), params=params, coverage=None)
+      self.assertEqual(float(info['excluded']), 0.0, ties)
+
   def test_no_batched_lapack_call_on_cpu(self):
     """Regression: batched LAPACK kernels deadlocked the round on 2 CPU
     devices (spectral.per_matrix). The rule's compiled program may call

@@ -86,7 +86,7 @@ def first_direction(mats: jax.Array) -> jax.Array:
 
 def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
           percentile: float = 95.0, detect: str = 'a',
-          projection: bool = True) -> Aggregator:
+          projection: bool = True, exclude_ties: bool = False) -> Aggregator:
   """Horus's HOPS detection plus projection-guided aggregation.
 
   Args:
@@ -96,6 +96,13 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
     percentile: p of the detection threshold (Eq. 5; the paper's 95).
     detect: 'a', 'b' or 'ab' (Table III's b_detect / ab_detect).
     projection: projection-guided weights (Eq. 8); False is "w/o weight".
+    exclude_ties: exclude S >= theta instead of Eq. 5's S > theta. With the
+      paper's rule, k identical top scores with k/C > 1 - p/100 pull theta
+      up to their value and nobody is excluded (colluders sending one
+      update); with ties excluded they all go. Without ties the two rules
+      agree unless theta equals a score exactly (p = 100 excludes the
+      maximum). A client at the round's lowest score is never excluded, so
+      a round of equal scores keeps everyone.
 
   Returns:
     An Aggregator reading `params` (the group's current global values) and
@@ -165,7 +172,12 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
     # such a client is excluded and stays out of the threshold.
     finite = finite & jnp.isfinite(score)
     theta = masked_percentile(score, finite, percentile)
-    kept = finite & ~(score > theta)
+    if exclude_ties:     # never everyone: a score at the round's minimum stays
+      lowest = jnp.min(jnp.where(finite, score, jnp.inf))
+      above = (score >= theta) & (score > lowest)
+    else:
+      above = score > theta
+    kept = finite & ~above
     alphas, new_dirs, v_c = [], [], []
     for v, d, m in zip(safe, dirs, is_matrix):
       if not m:

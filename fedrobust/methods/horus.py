@@ -40,6 +40,9 @@ HOPS_SETTINGS = (
             'ab (Table III).', choices=DETECT),
     Setting('projection', True, 'Projection-guided weights (Eq. 8); off is '
             'Table III\'s "w/o weight".'),
+    Setting('exclude_ties', False, 'Exclude clients with S >= theta instead '
+            "of the paper's S > theta: identical colluders that tie at the "
+            'top are excluded together (off: the paper).'),
 )
 
 
@@ -60,4 +63,5 @@ HORUS = MethodSpec(
     aggregator_defaults=lambda s, name: (
         {'lam': s['lam'], 'top_k': s['top_k'],
          'percentile': s['percentile'], 'detect': s['detect'],
-         'projection': s['projection']} if name == 'horus' else {}))
+         'projection': s['projection'], 'exclude_ties': s['exclude_ties']}
+        if name == 'horus' else {}))
