@@ -160,6 +160,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                        ' and without --client_delay: set '
                        '--clients_per_round=0 (all)')
     agg_kwargs.setdefault('num_clients', k if by_id else c)
+  if name in aggregators.CLIENT_CACHE_RULES:
+    agg_kwargs.setdefault('num_clients', k)
   if (name in aggregators.MODEL_TRACKING_RULES and
       config['server_lr'] != 1.0):
     raise ValueError(f'--aggregator={name} tracks the global model and '

@@ -36,6 +36,8 @@ PARAMS = {'w': np.zeros((3, 2), np.float32), 'b': np.zeros((2,), np.float32)}
 # Rules that promise nothing against a bad client (breakdown point 0).
 NON_ROBUST = ('mean', 'weighted_mean', 'fdagg')
 KEY = jax.random.key(0)
+# Settings a rule cannot run without (fedhan's per-client cache: N rows).
+REQUIRED_HPARAMS = {'fedhan': {'num_clients': 64}}
 
 
 def stack(flat):
@@ -57,7 +59,8 @@ def compiled(name, f=F, slots=C, hparams=()):
   The plain def is wrapped in chex.assert_max_traces(n=1) under a name
   unique to the cache key, so a retrace in any test that shares it fails.
   """
-  agg = aggregators.AGGREGATORS[name](num_byzantine=f, **dict(hparams))
+  agg = aggregators.AGGREGATORS[name](
+      num_byzantine=f, **{**REQUIRED_HPARAMS.get(name, {}), **dict(hparams)})
 
   def aggregate(updates, mask, state, key, extras):
     return aggregators.call_aggregator(

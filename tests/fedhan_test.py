@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedrobust.aggregators import clustering
+from fedrobust.aggregators import call_aggregator, clustering, get_aggregator
 from fedrobust.aggregators.fldetector import lbfgs_hvp
-from fedrobust.methods import fedhan_cache as fc
+from fedrobust.aggregators import fedhan_cache as fc
 
 BETA, ALPHA = 0.5, 0.2
 
@@ -187,6 +187,61 @@ class ClusteringTest(absltest.TestCase):
                                   jnp.ones(4, bool), eps=0.5, min_samples=2)
     self.assertFalse(bool(detected))
     self.assertFalse(np.any(np.asarray(flagged)))
+
+
+class RuleTest(absltest.TestCase):
+  """The 'fedhan' aggregator over rounds of arrivals."""
+
+  def test_flags_and_bans_the_opposing_clients(self):
+    n, d = 10, 6
+    agg = get_aggregator('fedhan', num_clients=n)
+    params = {'w': jnp.zeros((d,))}
+    step = jax.jit(lambda u, m, st, ids, tau, cov: call_aggregator(
+        agg, {'w': u}, m, st, jax.random.key(0), ids=ids, staleness=tau,
+        coverage={'w': cov}))
+    state = agg.init(params)
+    rng = np.random.default_rng(0)
+    direction = rng.normal(size=d)
+    bad = {7, 8}
+    banned_at = {}
+    for round_ in range(6):
+      ids = np.sort(rng.choice(n, 6, replace=False)).astype(np.int32)
+      if round_ == 2:
+        ids = np.array([0, 1, 2, 3, 7, 8], np.int32)
+      u = direction + 0.05 * rng.normal(size=(6, d))
+      is_bad = np.isin(ids, list(bad))
+      u[is_bad] = -5.0 * direction
+      cov = np.ones((6, d), np.float32)
+      cov[::2, d // 2:] = 0.0                      # half-width clients
+      u = u * cov
+      mask = np.ones(6, bool)
+      mask[5] = round_ != 4                        # a masked slot once
+      _, state, info = step(jnp.asarray(u, jnp.float32), jnp.asarray(mask),
+                            state, jnp.asarray(ids),
+                            jnp.zeros(6, jnp.int32), jnp.asarray(cov))
+      for i in np.flatnonzero(np.asarray(state.banned)):
+        banned_at.setdefault(int(i), round_)
+      w = np.asarray(info['weights'])
+      if round_ == 0:      # no global update yet: nobody is scored
+        self.assertTrue(np.all(w[mask] > 0.0))
+      else:
+        self.assertTrue(np.all(w[is_bad & mask] == 0.0), round_)
+        self.assertTrue(np.all(w[~is_bad & mask] > 0.0), round_)
+    self.assertEqual(set(banned_at), bad)
+    self.assertTrue(np.all(np.isfinite(np.asarray(state.cache.gbar))))
+
+  def test_masked_and_banned_slots_change_nothing(self):
+    agg = get_aggregator('fedhan', num_clients=4, detect=False)
+    params = {'w': jnp.zeros((3,))}
+    run = lambda u, m, ids: call_aggregator(
+        agg, {'w': jnp.asarray(u, jnp.float32)}, jnp.asarray(m),
+        agg.init(params), jax.random.key(0), ids=jnp.asarray(ids),
+        staleness=jnp.zeros(len(ids), jnp.int32), coverage=None)
+    out, st, _ = run([[1., 2, 3], [3, 2, 1]], [True, True], [0, 1])
+    out2, st2, _ = run([[1., 2, 3], [np.nan] * 3, [3, 2, 1]],
+                       [True, False, True], [0, 3, 1])
+    np.testing.assert_allclose(out['w'], out2['w'])
+    chex.assert_trees_all_close(st, st2)
 
 
 class LbfgsTest(absltest.TestCase):

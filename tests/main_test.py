@@ -233,6 +233,22 @@ class EndToEndTest(IdxDataTestCase):
     self.assertEqual([r['round'] for r in rows], [1, 2, 3, 4])
     self.assertTrue(all('staleness_mean' in r for r in rows))
 
+  def test_fedhan_cache_survives_resume(self):
+    """FedHAN on width-sliced, delayed clients under an attack: its
+    per-client cache, global-update history and bans are checkpointed, so
+    the resumed run ends on the straight run's parameters."""
+    fedhan = dict(method='fedhan', transform='width', width_ratios='1,0.5',
+                  client_delay='uniform:1', clients_per_round=0,
+                  attack='fang_trim', malicious_fraction=0.25,
+                  attack_start_round=1)
+    straight, resumed, rows = self.straight_and_resumed(4, 2, **fedhan)
+    self.assertEqual(resumed['params_sha256'], straight['params_sha256'])
+    self.assertEqual(resumed['resolved']['aggregator'], 'fedhan')
+    for row in rows:
+      self.assertIn('det_tp', row)
+      self.assertIn('suspicion', row['clients'])
+      self.assertTrue(np.isfinite(row['test_accuracy']))
+
   def test_sdfc_composes_with_a_robust_rule(self):
     summary = train.run(base_config(
         self.data_dir, self.create_tempdir().full_path, method='sdfc',

@@ -16,6 +16,7 @@ from typing import Callable
 
 from fedrobust.aggregators import coordinatewise
 from fedrobust.aggregators import dnc as dnc_lib
+from fedrobust.aggregators import fedhan as fedhan_lib
 from fedrobust.aggregators import horus as horus_lib
 from fedrobust.aggregators import krum as krum_lib
 from fedrobust.aggregators import mean as mean_lib
@@ -40,6 +41,7 @@ AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     'norm_bounding': robust_mean.norm_bounding,
     'dnc': dnc_lib.dnc,
     'horus': horus_lib.horus,
+    'fedhan': fedhan_lib.fedhan,
 }
 
 # Minimum clients per round, per rule: (inequality, f -> min n).
@@ -129,3 +131,6 @@ ID_HISTORY_RULES = ('fldetector',)
 MODEL_TRACKING_RULES = ('fltrust', 'crfl', 'fldetector', 'sageflow',
                         'finetune')
 CHANGE_TRACKING_RULES = ('fldetector',)
+# Rules with a per-client cache indexed by id (num_clients=K): any
+# participation, delays and cohort groups.
+CLIENT_CACHE_RULES = ('fedhan',)

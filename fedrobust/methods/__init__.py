@@ -7,6 +7,7 @@ from fedrobust.errors import SettingError
 from fedrobust.methods.base import SERVER_DATA, MethodSpec
 from fedrobust.methods.fedala import FEDALA, fedala
 from fedrobust.methods.fedavg import FEDAVG, FEDPROX, fedavg
+from fedrobust.methods.fedhan import FEDHAN, fedhan
 from fedrobust.methods.horus import HORUS, horus
 from fedrobust.methods.sdfc import SDFC, sdfc
 from fedrobust.types import Method
@@ -14,6 +15,7 @@ from fedrobust.types import Method
 METHODS: dict[str, MethodSpec] = {
     'fedala': FEDALA,
     'fedavg': FEDAVG,
+    'fedhan': FEDHAN,
     'fedprox': FEDPROX,
     'horus': HORUS,
     'sdfc': SDFC,
@@ -44,4 +46,4 @@ def get_method(name: str, **kwargs) -> Method:
 
 
 __all__ = ['METHODS', 'SERVER_DATA', 'Method', 'MethodSpec', 'fedavg',
-           'get_method', 'get_method_spec', 'horus', 'sdfc']
+           'fedhan', 'get_method', 'get_method_spec', 'horus', 'sdfc']
