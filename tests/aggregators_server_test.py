@@ -116,6 +116,22 @@ def assert_finite_tree(testcase, t):
       testcase.assertTrue(np.all(np.isfinite(leaf)), leaf)
 
 
+def consistent_updates(rng, k, attacker):
+  """state -> float[k, 15]: updates of k clients that follow one quadratic
+  (consistent over rounds, FLDetector's premise), except `attacker`'s,
+  which are fresh noise every round."""
+  a = rng.normal(size=(15, 15))
+  hess = 0.2 * (a @ a.T / 15 + np.eye(15))
+  targets = rng.normal(size=(k, 15))
+
+  def make(state):
+    x = -0.1 * (flat1(state.params)[None] - targets) @ hess
+    x += 1e-4 * rng.normal(size=x.shape)
+    x[attacker] = 0.5 * rng.normal(size=15)
+    return x
+  return make
+
+
 class ConformanceTest(parameterized.TestCase):
   """Shapes, masks, NaN/Inf/1e30 clients, jit vs eager, no retrace.
 
@@ -254,17 +270,11 @@ class BehaviourTest(absltest.TestCase):
   def test_fldetector_flags_a_random_noise_client(self):
     agg, step = compiled('fldetector', SLOTS)   # window = warmup = 2
     state = agg.init(PARAMS)
-    rng = np.random.default_rng(4)
-    a = rng.normal(size=(15, 15))
-    hess = 0.2 * (a @ a.T / 15 + np.eye(15))
-    targets = rng.normal(size=(SLOTS, 15))
     attacker = 3
+    updates = consistent_updates(np.random.default_rng(4), SLOTS, attacker)
     flagged, weights = [], None
     for round_ in range(7):
-      w = flat1(state.params)
-      x = -0.1 * (w[None] - targets) @ hess                 # consistent
-      x += 1e-4 * rng.normal(size=x.shape)
-      x[attacker] = 0.5 * rng.normal(size=15)               # inconsistent
+      x = updates(state)
       _, state, info = step(tree(x), jnp.ones(SLOTS, bool), state,
                             jax.random.key(round_))
       flagged.append(np.asarray(info['flagged']))
@@ -285,15 +295,10 @@ class BehaviourTest(absltest.TestCase):
         agg, u, m, st, key, ids=ids))
     state = agg.init(PARAMS)
     rng = np.random.default_rng(4)
-    a = rng.normal(size=(15, 15))
-    hess = 0.2 * (a @ a.T / 15 + np.eye(15))
-    targets = rng.normal(size=(k, 15))
     attacker = 3
+    updates = consistent_updates(rng, k, attacker)
     for round_ in range(7):
-      w = flat1(state.params)
-      x = -0.1 * (w[None] - targets) @ hess
-      x += 1e-4 * rng.normal(size=x.shape)
-      x[attacker] = 0.5 * rng.normal(size=15)
+      x = updates(state)
       order = rng.permutation(k)                 # slot s holds client order[s]
       slots = np.concatenate([x[order], np.full((1, 15), np.nan)])
       ids = np.concatenate([order, [0]]).astype(np.int32)
