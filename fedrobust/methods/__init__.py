@@ -33,15 +33,22 @@ def get_method_spec(name: str) -> MethodSpec:
 def get_method(name: str, **kwargs) -> Method:
   """Builds METHODS[name] with its declared settings' defaults, overridden
   by `kwargs` (core keywords: cohorts, local, optimizer, aggregator, ...).
-  An unset aggregator is the method's default rule."""
+  An unset aggregator is the method's default rule, given the settings it
+  takes from the method (and, for a per-client cache, one row per client
+  of the cohorts)."""
   from fedrobust import aggregators  # pylint: disable=g-import-not-at-top
   spec = get_method_spec(name)
   settings = {s.kwarg: s.default for s in spec.settings}
   settings.update({k: v for k, v in kwargs.items() if k in settings})
   core = {k: v for k, v in kwargs.items() if k not in settings}
   if core.get('aggregator') is None:
-    core['aggregator'] = aggregators.get_aggregator(
-        spec.default_aggregator(settings), num_byzantine=0)
+    rule = spec.default_aggregator(settings)
+    extra = dict(spec.aggregator_defaults(settings, rule))
+    if rule in aggregators.CLIENT_CACHE_RULES:   # one row per client id
+      extra['num_clients'] = core.get('num_clients') or 1 + max(
+          m for c in core['cohorts'] for m in c.members)
+    core['aggregator'] = aggregators.get_aggregator(rule, num_byzantine=0,
+                                                    **extra)
   return spec.build(**core, **settings)
 
 
