@@ -51,7 +51,7 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
     config: the resolved run config (config['aggregator'] is a rule name).
     cohorts: the run's cohorts (fedrobust.cohort.Cohort); rules that track
       or train the global model need a single identity-transform cohort.
-    delayed: client delays are on (rules with per-slot history refuse).
+    delayed: client delays are on (rules with per-client history refuse).
     group_sizes: clients per round of each group the rule runs on (with
       several cohorts: the shared layers over all of them, and each
       cohort's own layers); the smallest must support the rule.
@@ -132,8 +132,7 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
   plain = len(cohorts) <= 1 and all(ch.transform.name == 'identity'
                                     for ch in cohorts)
   if (name in aggregators.SERVER_DATA_RULES or
-      (name in aggregators.MODEL_TRACKING_RULES and
-       name not in aggregators.CHANGE_TRACKING_RULES)) and not plain:
+      name in aggregators.GLOBAL_MODEL_RULES) and not plain:
     raise ValueError(f'--aggregator={name} scores or trains the full global '
                      'model: it needs one cohort and --transform=identity')
   if name in aggregators.SERVER_DATA_RULES:
@@ -151,16 +150,16 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                        ('server_batch_size', config['batch_size']),
                        ('server_steps', steps)):
       agg_kwargs.setdefault(key, value)
+  if name in aggregators.FULL_PARTICIPATION_RULES and (c != k or delayed):
+    raise ValueError(f'--aggregator={name} keeps per-client history and '
+                     'needs every client every round and no --client_delay: '
+                     'set --clients_per_round=0 (all)')
   if name in aggregators.SLOT_HISTORY_RULES:
-    by_id = name in aggregators.ID_HISTORY_RULES
-    if c != k or delayed or (len(cohorts) > 1 and not by_id):
-      raise ValueError(f'--aggregator={name} keeps per-client history and '
-                       'needs every client every round'
-                       + ('' if by_id else ', in one cohort') +
-                       ' and without --client_delay: set '
-                       '--clients_per_round=0 (all)')
-    agg_kwargs.setdefault('num_clients', k if by_id else c)
-  if name in aggregators.CLIENT_CACHE_RULES:
+    if len(cohorts) > 1:
+      raise ValueError(f'--aggregator={name} keeps per-slot history: it '
+                       'needs one cohort')
+    agg_kwargs.setdefault('num_clients', c)
+  if name in aggregators.CLIENT_ID_RULES:
     agg_kwargs.setdefault('num_clients', k)
   if (name in aggregators.MODEL_TRACKING_RULES and
       config['server_lr'] != 1.0):

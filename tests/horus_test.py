@@ -163,19 +163,14 @@ class RuleTest(absltest.TestCase):
     run = lambda u: call_aggregator(agg, u, jnp.ones(6, bool),
                                     agg.init(params), jax.random.key(0),
                                     params=params, coverage=None)
-    text = jax.jit(run).lower(updates).as_text()
-    calls = re.findall(r'custom_call @(lapack_\w+)\(.*?:\s*\((tensor<[^>]*>)',
-                       text)
-    self.assertNotEmpty(calls)
-    for target, operand in calls:
-      dims = operand[len('tensor<'):-1].split('x')[:-1]
-      self.assertLen(dims, 2, f'{target} takes a batch: {operand}')
     gram = jnp.ones((6, 8, 8))
-    text = jax.jit(lambda g: spectral.singular_values(g)).lower(
-        gram).as_text()
-    for target, operand in re.findall(
-        r'custom_call @(lapack_\w+)\(.*?:\s*\((tensor<[^>]*>)', text):
-      self.assertLen(operand[len('tensor<'):-1].split('x')[:-1], 2, target)
+    for fn, arg in ((run, updates), (spectral.singular_values, gram)):
+      calls = re.findall(r'custom_call @(lapack_\w+)\(.*?:\s*\((tensor<[^>]*>)',
+                         jax.jit(fn).lower(arg).as_text())
+      self.assertNotEmpty(calls)
+      for target, operand in calls:
+        dims = operand[len('tensor<'):-1].split('x')[:-1]
+        self.assertLen(dims, 2, f'{target} takes a batch: {operand}')
 
 
 class PipelineTest(absltest.TestCase):

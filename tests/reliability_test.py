@@ -387,8 +387,8 @@ def bad_client_round(rule):
   model = models.get_model('mlp', num_classes=3, input_shape=(2, 2, 1),
                            hidden=(4,))
   local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
-  kwargs = {'num_clients': C} if rule in aggregators.SLOT_HISTORY_RULES \
-      else {}
+  kwargs = ({'num_clients': C} if rule in aggregators.SLOT_HISTORY_RULES +
+            aggregators.CLIENT_ID_RULES else {})
   agg = aggregators.get_aggregator(rule, num_byzantine=1, **kwargs)
   method = get_method('fedavg', cohorts=single_cohort(
       model, identity(model), C, C), local=local,

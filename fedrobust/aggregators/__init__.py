@@ -119,18 +119,19 @@ __all__ = ['AGGREGATORS', 'Aggregator', 'EXTRAS', 'SERVER_AIDED',
 
 # Rules that read the server's clean data (factory args server_data, apply_fn).
 SERVER_DATA_RULES = ('fltrust', 'sageflow', 'finetune')
-# Rules with per-client history: need every client every round, without
-# delays. Slot-indexed ones also need the same slot order (num_clients=C);
-# id-indexed ones (ID_HISTORY_RULES, num_clients=K) read the `ids` extra and
-# run on any group of clients, e.g. the shared layers of several cohorts.
-SLOT_HISTORY_RULES = ('foolsgold', 'fldetector')
-ID_HISTORY_RULES = ('fldetector',)
+# Rules that read the full global model's values (server lr 1): they need
+# one cohort and the identity transform.
+GLOBAL_MODEL_RULES = ('fltrust', 'crfl', 'sageflow', 'finetune')
 # Rules that track the global model in their state, assuming the server
 # applies params + update with server lr 1. FLDetector uses only the
-# model's changes (w_t - w_{t-1}), so it also runs on a cohort group.
-MODEL_TRACKING_RULES = ('fltrust', 'crfl', 'fldetector', 'sageflow',
-                        'finetune')
-CHANGE_TRACKING_RULES = ('fldetector',)
-# Rules with a per-client cache indexed by id (num_clients=K): any
-# participation, delays and cohort groups.
-CLIENT_CACHE_RULES = ('fedhan',)
+# model's changes (w_t - w_{t-1}), so it runs on any group of clients.
+MODEL_TRACKING_RULES = GLOBAL_MODEL_RULES + ('fldetector',)
+# Rules whose per-client history assumes consecutive rounds: every client
+# every round, no client delays.
+FULL_PARTICIPATION_RULES = ('foolsgold', 'fldetector')
+# Per-client state indexed by slot: one cohort, the same slot order, and
+# num_clients=C.
+SLOT_HISTORY_RULES = ('foolsgold',)
+# Per-client state indexed by client id (the `ids` extra, num_clients=K):
+# any group of clients, e.g. the shared layers of several cohorts.
+CLIENT_ID_RULES = ('fldetector', 'fedhan')

@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator
-from fedrobust.aggregators.finetune import finite_clients, ravel_one
+from fedrobust.aggregators.finetune import (finite_clients, first_client,
+                                            ravel_one)
 from fedrobust.aggregators.mean import setting
 from fedrobust.aggregators import fedhan_cache as fc
 from fedrobust.tree import ravel_clients, unravel_like
@@ -138,10 +139,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     new_banned = state.banned.at[jnp.where(flagged, ids, num_clients)].set(
         True, mode='drop')
     estimate = fc.aggregate_arrivals(cache, ids, keep, alpha=alpha)
-    live = cache._replace(seen=cache.seen & ~new_banned)
     gtilde, selected, _ = fc.select_history(
-        live, ids, keep, estimate, round_=round_, sim_min=sim_min,
-        tau_max=tau_max, alpha=alpha)
+        cache, ids, keep, estimate, round_=round_, sim_min=sim_min,
+        tau_max=tau_max, alpha=alpha, excluded=new_banned)
     g = estimate + alpha * gtilde
     new_state = FedHANState(
         cache=cache,
@@ -153,7 +153,6 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
             'flagged': flagged & valid,
             'history_selected': jnp.sum(selected).astype(jnp.float32),
             'detected': detected}
-    first = jax.tree.map(lambda leaf: leaf[0], updates)
-    return unravel_like(g, first), new_state, info
+    return unravel_like(g, first_client(updates)), new_state, info
 
   return Aggregator(init, aggregate, reads=('ids', 'staleness', 'coverage'))

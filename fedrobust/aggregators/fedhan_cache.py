@@ -51,15 +51,19 @@ class FedHANCache(NamedTuple):
   weight: jax.Array      # float32[N, D], its weight matrix M (Eq. 4)
   mask: jax.Array        # bool[N, D], width mask of the latest upload
   gchk: jax.Array        # float32[N, D], latest imputed global update (Eq. 9)
-  seen: jax.Array        # bool[N], uploaded at least once
-  last: jax.Array        # int32[N], round of the latest upload
+  last: jax.Array        # int32[N], round of the latest upload (0: none;
+                         # rounds count from 1)
+
+  @property
+  def seen(self) -> jax.Array:
+    """bool[N]: the client has uploaded at least once."""
+    return self.last > 0
 
 
 def init_cache(num_clients: int, dim: int) -> FedHANCache:
   """An empty cache for N clients of D parameters."""
   z = jnp.zeros((num_clients, dim), jnp.float32)
   return FedHANCache(z, z, jnp.zeros((num_clients, dim), bool), z,
-                     jnp.zeros((num_clients,), bool),
                      jnp.zeros((num_clients,), jnp.int32))
 
 
@@ -82,7 +86,7 @@ def receive(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
     staleness: int32[K] tau_i (rounds since the client's model was sent).
     global_then: float32[K, D] g(w_{j - tau_i}), the global update of the
       round each arrival's model came from.
-    round_: int32[] j.
+    round_: int32[] j (>= 1).
     beta: the staleness decay (the paper's 0.9).
 
   Returns:
@@ -103,7 +107,6 @@ def receive(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
       weight=put(decayed, new_w),                    # ... arrivals reset
       mask=put(cache.mask, m),
       gchk=put(cache.gchk, new_gchk),
-      seen=put(cache.seen, jnp.ones(rows.shape, bool)),
       last=put(cache.last, jnp.full(rows.shape, round_, jnp.int32)))
 
 
@@ -126,12 +129,13 @@ def aggregate_arrivals(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
 
 def select_history(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
                    estimate: jax.Array, *, round_: jax.Array, sim_min: float,
-                   tau_max: int, alpha: float
+                   tau_max: int, alpha: float, excluded: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Eq. 7-8's historical part.
 
   Args:
     estimate: float32[D], gbar(w_j) from `aggregate_arrivals`.
+    excluded: bool[N], clients never selected (e.g. detected attackers).
 
   Returns:
     (gtilde float32[D], selected bool[N], sim float32[N] (0 where not a
@@ -141,6 +145,8 @@ def select_history(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
   arrived = jnp.zeros((n,), bool).at[_rows(ids, mask, n)].set(
       True, mode='drop')
   candidate = cache.seen & ~arrived & (round_ - cache.last <= tau_max)
+  if excluded is not None:
+    candidate = candidate & ~excluded
   dot = cache.gbar @ estimate
   norms = jnp.linalg.norm(cache.gbar, axis=1) * jnp.linalg.norm(estimate)
   sim = jnp.where(candidate & (norms > 0), dot / jnp.where(norms > 0, norms,

@@ -44,7 +44,7 @@ def get_method(name: str, **kwargs) -> Method:
   if core.get('aggregator') is None:
     rule = spec.default_aggregator(settings)
     extra = dict(spec.aggregator_defaults(settings, rule))
-    if rule in aggregators.CLIENT_CACHE_RULES:   # one row per client id
+    if rule in aggregators.CLIENT_ID_RULES:   # one row per client id
       extra['num_clients'] = core.get('num_clients') or 1 + max(
           m for c in core['cohorts'] for m in c.members)
     core['aggregator'] = aggregators.get_aggregator(rule, num_byzantine=0,

@@ -199,3 +199,27 @@ FEDPROX = MethodSpec(
     summary='FedProx: FedAvg with a proximal term mu/2 ||v - w||^2.',
     settings=(Setting('mu', 0.01, 'FedProx proximal weight mu (> 0).'),
               SHARE, WARMUP))
+
+
+def fedavg_with_rule(name: str, rule: str, rule_settings: tuple[Setting, ...],
+                     summary: str):
+  """(build, MethodSpec) of a method that is FedAvg's pipeline with `rule`
+  as its default server rule (Horus, FedHAN). `rule_settings` are declared
+  by the method (flags --<name>_<setting>) and reach `rule` as its keyword
+  arguments; another --aggregator runs on the same pipeline without them.
+  """
+  def build(**kwargs):
+    for s in rule_settings:
+      kwargs.pop(s.kwarg, None)
+    return fedavg(**kwargs)._replace(name=name)
+
+  build.__name__ = name
+  build.__doc__ = f"FedAvg's pipeline; the {name} settings go to the " \
+                  f"{rule!r} rule."
+  spec = MethodSpec(
+      build=build, summary=summary, settings=rule_settings + (SHARE, WARMUP),
+      default_aggregator=lambda s: rule,
+      aggregator_defaults=lambda s, agg: (
+          {x.kwarg: s[x.kwarg] for x in rule_settings} if agg == rule
+          else {}))
+  return build, spec

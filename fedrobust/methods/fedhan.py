@@ -22,8 +22,7 @@ asynchronous / recovery baselines.
 
 from __future__ import annotations
 
-from fedrobust.methods.base import MethodSpec
-from fedrobust.methods.fedavg import SHARE, WARMUP, fedavg
+from fedrobust.methods.fedavg import fedavg_with_rule
 from fedrobust.settings import Setting
 
 FEDHAN_SETTINGS = (
@@ -42,21 +41,8 @@ FEDHAN_SETTINGS = (
 )
 
 
-def fedhan(**kwargs):
-  """FedAvg's pipeline; the FedHAN settings go to the 'fedhan' rule."""
-  for s in FEDHAN_SETTINGS:
-    kwargs.pop(s.kwarg, None)
-  return fedavg(**kwargs)._replace(name='fedhan')
-
-
-FEDHAN = MethodSpec(
-    build=fedhan,
+fedhan, FEDHAN = fedavg_with_rule(
+    'fedhan', 'fedhan', FEDHAN_SETTINGS,
     summary='FedHAN: semi-asynchronous, width-heterogeneous FL with a '
     'per-client imputation cache, historical selection and DBSCAN '
-    'detection.',
-    settings=FEDHAN_SETTINGS + (SHARE, WARMUP),
-    default_aggregator=lambda s: 'fedhan',
-    aggregator_defaults=lambda s, name: (
-        {k: s[k] for k in ('beta', 'alpha', 'sim_min', 'tau_max', 'eps',
-                           'min_samples', 'detect')}
-        if name == 'fedhan' else {}))
+    'detection.')

@@ -26,8 +26,7 @@ a_all), `--horus_detect=b|ab` and `--nohorus_projection`.
 from __future__ import annotations
 
 from fedrobust.aggregators.horus import DETECT
-from fedrobust.methods.base import MethodSpec
-from fedrobust.methods.fedavg import SHARE, WARMUP, fedavg
+from fedrobust.methods.fedavg import fedavg_with_rule
 from fedrobust.settings import Setting
 
 HOPS_SETTINGS = (
@@ -46,22 +45,7 @@ HOPS_SETTINGS = (
 )
 
 
-def horus(**kwargs):
-  """FedAvg's pipeline; the HOPS settings go to the 'horus' rule."""
-  for s in HOPS_SETTINGS:
-    kwargs.pop(s.kwarg, None)
-  method = fedavg(**kwargs)
-  return method._replace(name='horus')
-
-
-HORUS = MethodSpec(
-    build=horus,
+horus, HORUS = fedavg_with_rule(
+    'horus', 'horus', HOPS_SETTINGS,
     summary='Horus: LoRA on stable layers of private backbones, HOPS '
-    'detection on LoRA-A, projection-guided aligned aggregation.',
-    settings=HOPS_SETTINGS + (SHARE, WARMUP),
-    default_aggregator=lambda s: 'horus',
-    aggregator_defaults=lambda s, name: (
-        {'lam': s['lam'], 'top_k': s['top_k'],
-         'percentile': s['percentile'], 'detect': s['detect'],
-         'projection': s['projection'], 'exclude_ties': s['exclude_ties']}
-        if name == 'horus' else {}))
+    'detection on LoRA-A, projection-guided aligned aggregation.')
