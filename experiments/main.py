@@ -29,7 +29,8 @@ from experiments import train
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
 # The paper setting a bare --method=NAME runs (a flagfile in CONFIGS).
 BARE_METHOD_PRESETS = {'sdfc': 'sdfc_fmnist_paper.flags',
-                       'horus': 'horus_fmnist_paper.flags'}
+                       'horus': 'horus_fmnist_paper.flags',
+                       'fedhan': 'fedhan_fmnist_paper.flags'}
 
 
 def define_flags(settings: dict) -> None:
@@ -69,10 +70,13 @@ def read_flagfile(path: str) -> dict[str, object]:
   values: dict[str, object] = {}
   with open(path) as f:
     lines = [line.strip() for line in f]
-  for line in lines:
+  for number, line in enumerate(lines, 1):
     if not line or line.startswith('#'):
       continue
     name, _, text = line.lstrip('-').partition('=')
+    known = name in FLAGS or (name.startswith('no') and name[2:] in FLAGS)
+    if name != 'flagfile' and not known:
+      raise app.UsageError(f'{path}:{number}: unknown flag --{name}')
     if name == 'flagfile':
       values.update(read_flagfile(text))
     elif name in FLAGS and not _:

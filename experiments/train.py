@@ -14,6 +14,8 @@ Files in the workdir:
   config.json            the run's config (resume refuses a changed one)
   client_histograms.json per-client class histograms, cohort and spec
   metrics.jsonl          one JSON object per evaluated round
+  rounds.jsonl           every round's metrics and per-client values
+                         (--log_clients; e.g. per-round detection)
   summary.json           final metrics, config, versions, device, hash
   curves.png             accuracy against round
   checkpoints/           orbax steps (atomic, verified on start)
@@ -315,13 +317,16 @@ def upload_bytes(cohort: Cohort, template: Any) -> dict[str, int]:
 
 
 def detection_rates(counts: dict[str, Any], prefix: str) -> dict[str, Any]:
-  """Precision, recall and FPR of 'excluded' vs 'malicious' (NaN if 0/0)."""
+  """Precision, recall, FPR, FNR and accuracy (FedHAN's DACC) of
+  'excluded' vs 'malicious' (NaN if 0/0)."""
   tp, fp, fn, tn = (float(counts[k]) for k in ('det_tp', 'det_fp', 'det_fn',
                                                'det_tn'))
   div = lambda a, b: a / b if b else float('nan')
   return {f'{prefix}detection_precision': div(tp, tp + fp),
           f'{prefix}detection_recall': div(tp, tp + fn),
-          f'{prefix}detection_fpr': div(fp, fp + tn)}
+          f'{prefix}detection_fpr': div(fp, fp + tn),
+          f'{prefix}detection_fnr': div(fn, fn + tp),
+          f'{prefix}detection_accuracy': div(tp + tn, tp + fp + fn + tn)}
 
 
 def params_sha256(params: Any) -> str:
@@ -791,6 +796,9 @@ def _run_locked(config: dict[str, Any], program: Program,
                     '1..%d have no metrics rows (summary.json records '
                     'this)', metrics_path, start_round, start_round)
   rows = workdir_lib.read_metrics(metrics_path, start_round)
+  rounds_path = os.path.join(workdir, 'rounds.jsonl')
+  if config['log_clients']:
+    workdir_lib.read_metrics(rounds_path, start_round)
 
   step_fn = jax.jit(round_step, donate_argnums=0)
   t0 = time.perf_counter()
@@ -846,6 +854,10 @@ def _run_locked(config: dict[str, Any], program: Program,
       line += (f" arrivals {int(metrics['arrivals'])} staleness "
                f"{float(metrics['staleness_mean']):.2f}")
     stop = nonfinite and on_divergence == 'stop'
+    if config['log_clients']:
+      workdir_lib.append_row(rounds_path, dict(
+          {'round': rnd}, **{k: float(v) for k, v in metrics.items()},
+          round_seconds=seconds, **({'clients': clients} if clients else {})))
     if rnd % config['eval_every'] == 0 or rnd == num_rounds or stop:
       row = {'round': rnd}
       row.update(evaluator(method.eval_models(state)))

@@ -27,7 +27,7 @@ from absl import logging
 from fedrobust.checkpoint import write_atomic
 
 RUNNER_FILES = ('config.json', 'client_histograms.json', 'metrics.jsonl',
-                'summary.json', 'curves.png', 'clients.png', 'checkpoints',
+                'rounds.jsonl', 'summary.json', 'curves.png', 'clients.png', 'checkpoints',
                 '.lock')
 
 

@@ -26,7 +26,9 @@ from fedrobust.aggregators.finetune import make_server_sgd
 from fedrobust.aggregators.server_aided import SERVER_AIDED
 from fedrobust.models.pipelines import normalize
 
-NAMES = sorted(SERVER_AIDED)
+# foolsgold_ids needs `ids`: the shared conformance suite
+# (aggregators_test.py) passes them.
+NAMES = sorted(set(SERVER_AIDED) - {'foolsgold_ids'})
 C = 4                    # real clients in the conformance rounds
 PAD_AT = (1, 4)          # where the padded layout adds two masked slots
 SLOTS = C + 2            # the compiled slot count
@@ -188,8 +190,8 @@ class ConformanceTest(parameterized.TestCase):
 
   def test_registry_and_missing_server_data(self):
     self.assertEqual(set(SERVER_AIDED), {
-        'fltrust', 'foolsgold', 'rlr', 'crfl', 'fldetector', 'lasa',
-        'sageflow', 'finetune'})
+        'fltrust', 'foolsgold', 'foolsgold_ids', 'rlr', 'crfl',
+        'fldetector', 'lasa', 'sageflow', 'finetune'})
     with self.assertRaises((TypeError, ValueError)):
       SERVER_AIDED['fltrust'](num_byzantine=0)
     with self.assertRaisesRegex(ValueError, 'server_data'):
@@ -229,6 +231,33 @@ class BehaviourTest(absltest.TestCase):
     weights = np.asarray(info['weights'])
     self.assertTrue(np.all(weights[4:] < 0.01), weights)
     self.assertTrue(np.all(weights[:4] > 0.1), weights)
+
+  def test_foolsgold_ids_follows_clients_across_slots(self):
+    """Partial participation: two sybils (ids 4 and 5) never share a slot
+    position from round to round, and one arrives without the other; the
+    id-indexed history still ties them together."""
+    agg = SERVER_AIDED['foolsgold_ids'](num_byzantine=0, num_clients=8)
+    step = jax.jit(lambda u, m, st, ids: call_aggregator(
+        agg, u, m, st, jax.random.key(0), ids=ids))
+    state = agg.init(PARAMS)
+    rng = np.random.default_rng(3)
+    sybil = rng.normal(size=15).astype(np.float32)
+    rounds = [[0, 4, 1, 5], [5, 2, 3, 4], [4, 6, 7, 0], [1, 5, 4, 2]]
+    sent = np.zeros((8, 15))
+    for ids in rounds:
+      x = rng.normal(size=(4, 15)).astype(np.float32)
+      for j, i in enumerate(ids):
+        if i in (4, 5):
+          x[j] = sybil
+      sent[ids] += x
+      _, state, info = step(tree(x), jnp.ones(4, bool), state,
+                            jnp.asarray(ids, jnp.int32))
+    np.testing.assert_allclose(state.history, sent, rtol=1e-5, atol=1e-5)
+    weights = dict(zip(rounds[-1], np.asarray(info['weights'])))
+    self.assertLess(weights[4] + weights[5], 0.02, weights)
+    self.assertAlmostEqual(float(weights[1] + weights[2]), 1.0, places=5)
+    with self.assertRaisesRegex(ValueError, 'num_clients'):
+      SERVER_AIDED['foolsgold_ids'](num_byzantine=0)
 
   def test_rlr_flips_coordinates_without_agreement(self):
     x = np.zeros((3, 15), np.float32)

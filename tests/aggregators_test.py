@@ -34,10 +34,11 @@ NAMES = sorted(name for name, factory in _OWN.items()
                if min(k for k, v in _OWN.items() if v is factory) == name)
 PARAMS = {'w': np.zeros((3, 2), np.float32), 'b': np.zeros((2,), np.float32)}
 # Rules that promise nothing against a bad client (breakdown point 0).
-NON_ROBUST = ('mean', 'weighted_mean', 'fdagg')
+NON_ROBUST = ('mean', 'weighted_mean', 'fdagg', 'twafl', 'sasgd')
 KEY = jax.random.key(0)
 # Settings a rule cannot run without (fedhan's per-client cache: N rows).
-REQUIRED_HPARAMS = {'fedhan': {'num_clients': 64}}
+REQUIRED_HPARAMS = {'fedhan': {'num_clients': 64, 'rollback': 2},
+                    'foolsgold_ids': {'num_clients': 64}}
 
 
 def stack(flat):

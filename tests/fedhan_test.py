@@ -77,7 +77,8 @@ class CacheTest(absltest.TestCase):
     r1, r2 = self.rounds()
     np.testing.assert_allclose(r1.gbar, [[1, 2, 0, 0], [3, 3, 3, 3],
                                          [0, 0, 0, 0]])
-    np.testing.assert_allclose(r1.weight, [[1, 1, 0, 0], [.5] * 4, [0] * 4])
+    np.testing.assert_allclose(fc.weights_at(r1, 1, BETA),
+                               [[1, 1, 0, 0], [.5] * 4, [0] * 4])
     self.assertEqual(list(np.asarray(r1.seen)), [True, True, False])
     # Eq. 6, round 1: per coordinate, p' = M (m + alpha m~).
     est1 = fc.aggregate_arrivals(r1, jnp.array([0, 1]),
@@ -88,7 +89,7 @@ class CacheTest(absltest.TestCase):
     # beta * 1 there and beta^1 on the new half; client 1 only decays.
     np.testing.assert_allclose(r2.gbar, [[1, 2, 4, 6], [3, 3, 3, 3],
                                          [2, 0, 0, 0]])
-    np.testing.assert_allclose(r2.weight, [[.5] * 4, [.25] * 4,
+    np.testing.assert_allclose(fc.weights_at(r2, 2, BETA), [[.5] * 4, [.25] * 4,
                                            [1, 0, 0, 0]])
     # Eq. 9: the global update of the round each model came from.
     np.testing.assert_allclose(r2.gchk, [[10, 10, -10, -10], [-10] * 4,
@@ -107,7 +108,7 @@ class CacheTest(absltest.TestCase):
     cos1 = 3.0 * e.sum() / (6.0 * np.linalg.norm(e))   # [3]*4 vs e
     gt, selected, sim = fc.select_history(
         r2, ids, mask, est, round_=jnp.int32(2), sim_min=0.5, tau_max=1,
-        alpha=ALPHA)
+        alpha=ALPHA, beta=BETA)
     self.assertAlmostEqual(float(sim[1]), cos1, places=5)
     self.assertEqual(list(np.asarray(selected)), [False, True, False])
     np.testing.assert_allclose(gt, [3, 3, 3, 3], rtol=1e-6)
@@ -115,7 +116,7 @@ class CacheTest(absltest.TestCase):
     for kwargs in (dict(round_=jnp.int32(3), sim_min=0.5, tau_max=1),
                    dict(round_=jnp.int32(2), sim_min=0.999, tau_max=1)):
       gt, selected, _ = fc.select_history(r2, ids, mask, est, alpha=ALPHA,
-                                          **kwargs)
+                                          beta=BETA, **kwargs)
       self.assertFalse(np.any(np.asarray(selected)))
       np.testing.assert_array_equal(gt, np.zeros(4))
     s = fc.suspicion(r2, jnp.array([0, 2, 1]), jnp.array([True, True,
@@ -242,6 +243,104 @@ class RuleTest(absltest.TestCase):
                        [True, False, True], [0, 3, 1])
     np.testing.assert_allclose(out['w'], out2['w'])
     chex.assert_trees_all_close(st, st2)
+
+
+class RecoveryTest(absltest.TestCase):
+  """Sec. 3.5.4: rollback and replay without the detected clients."""
+
+  def run_rounds(self, rollback, dtype='float32'):
+    """Four benign clients send d, two attackers -5 d, every round, full
+    width, no staleness. Detection may flag from round 4 only, so rounds
+    1-3 take the attackers in. Updates do not depend on the model, so the
+    applied updates are constant after the attack is removed and no
+    L-BFGS pair has curvature: the replay is exactly the benign trajectory.
+    Returns the sum of the returned updates (the model's displacement),
+    the per-round infos and the final state."""
+    n, dim = 6, 4
+    agg = get_aggregator('fedhan', num_clients=n, detect_start=4,
+                         rollback=rollback, recovery_slots=8,
+                         history=8, cache_dtype=dtype)
+    d = np.array([1.0, -2.0, 0.5, 1.5], np.float32)
+    u = np.stack([d] * 4 + [-5.0 * d] * 2)
+    ids = jnp.arange(n, dtype=jnp.int32)
+    step = jax.jit(lambda st: call_aggregator(
+        agg, {'w': jnp.asarray(u)}, jnp.ones(n, bool), st,
+        jax.random.key(0), ids=ids, staleness=jnp.zeros(n, jnp.int32),
+        coverage=None))
+    state = agg.init({'w': jnp.zeros((dim,))})
+    moved, infos = np.zeros(dim), []
+    for _ in range(5):
+      out, state, info = step(state)
+      moved += np.asarray(out['w'])
+      infos.append(jax.tree.map(np.asarray, info))
+    return moved, infos, state, d
+
+  def test_replay_removes_the_attackers_from_the_rolled_back_rounds(self):
+    moved, infos, state, d = self.run_rounds(rollback=3)
+    self.assertEqual([float(i['recovered']) for i in infos],
+                     [0, 0, 0, 1, 0])
+    self.assertEqual(float(infos[3]['replayed']), 3.0)
+    np.testing.assert_array_equal(np.asarray(state.banned),
+                                  [False] * 4 + [True] * 2)
+    # Rounds 1-3 mixed: (4 d - 10 d) / 6 = -d each. The replay rewrites
+    # them to d, so after 5 rounds the model moved 5 d.
+    np.testing.assert_allclose(moved, 5 * d, rtol=1e-5)
+    self.assertAlmostEqual(float(infos[3]['recovery_shift']),
+                           float(np.linalg.norm(6 * d)), places=4)
+    # Without recovery the three poisoned rounds stay: -3 d + 2 d.
+    moved0, infos0, _, _ = self.run_rounds(rollback=0)
+    np.testing.assert_allclose(moved0, -d, rtol=1e-5)
+    self.assertEqual(sum(float(i['recovered']) for i in infos0), 0.0)
+
+  def test_rollback_reaches_only_the_stored_rounds(self):
+    # m = 2 replays rounds 2-3; round 1's poisoned -d stays.
+    moved, infos, _, d = self.run_rounds(rollback=2)
+    self.assertEqual(float(infos[3]['replayed']), 2.0)
+    np.testing.assert_allclose(moved, 3 * d, rtol=1e-5)
+
+  def test_bfloat16_cache_matches_float32(self):
+    moved, _, state, d = self.run_rounds(rollback=3, dtype='bfloat16')
+    # Stored as bfloat16 bit patterns (an in-place integer scatter on CPU).
+    self.assertEqual(state.cache.gbar.dtype, jnp.uint16)
+    self.assertEqual(state.cache.gbar.nbytes, 6 * 4 * 2)
+    np.testing.assert_allclose(fc.decode(state.cache.gbar)[0], d, rtol=1e-2)
+    np.testing.assert_allclose(moved, 5 * d, rtol=2e-2)
+
+  def test_settings_are_checked(self):
+    for kwargs, name in ((dict(rollback=4, history=5), 'history'),
+                         (dict(cache_dtype='int8'), 'cache_dtype'),
+                         (dict(detect_start=0), 'detect_start')):
+      with self.assertRaisesRegex(ValueError, name):
+        get_aggregator('fedhan', num_clients=3, **kwargs)
+
+
+class AsyncBaselinesTest(absltest.TestCase):
+  """TWAFL and SASGD, the paper's asynchronous baselines, by hand."""
+
+  def call(self, name, coverage=None):
+    u = jnp.array([[2.0, 4.0], [4.0, 8.0], [6.0, 12.0], [1e9, 1e9]])
+    return call_aggregator(
+        get_aggregator(name), {'w': u}, jnp.array([True, True, True, False]),
+        (), jax.random.key(0), weights=jnp.array([1.0, 2.0, 1.0, 5.0]),
+        staleness=jnp.array([0, 1, 2, 0]),
+        coverage=None if coverage is None else {'w': coverage})
+
+  def test_twafl_weights_by_size_and_e_over_2_per_round_late(self):
+    out, _, info = self.call('twafl')
+    w = np.array([1.0, 2.0 / (np.e / 2), 1.0 / (np.e / 2) ** 2])
+    np.testing.assert_allclose(info['weights'], np.append(w, 0.0),
+                               rtol=1e-6)
+    want = (w @ np.array([[2, 4], [4, 8], [6, 12]])) / w.sum()
+    np.testing.assert_allclose(out['w'], want, rtol=1e-6)
+
+  def test_sasgd_divides_each_step_by_its_staleness(self):
+    out, _, _ = self.call('sasgd')
+    np.testing.assert_allclose(out['w'], [(2 + 2 + 2) / 3, (4 + 4 + 4) / 3],
+                               rtol=1e-6)
+    # Width-sliced: coordinate 1 owned by the first client only.
+    cov = jnp.array([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0], [1.0, 1.0]])
+    out, _, _ = self.call('sasgd', cov)
+    np.testing.assert_allclose(out['w'], [2.0, 4.0], rtol=1e-6)
 
 
 class LbfgsTest(absltest.TestCase):

@@ -81,6 +81,23 @@ def kill_after_checkpoint(proc, ckpt_dir, step, *, pause=0.0,
   return True
 
 
+def kill_and_resume(test, config, step, timeout=120):
+  """Runs main.py on `config` in a subprocess, SIGKILLs it once checkpoint
+  `step` exists (asserting it had not finished), runs the same command to
+  the end and returns its summary."""
+  workdir = config['workdir']
+  cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'main.py')]
+  cmd += flags_for(config)
+  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, cwd=ROOT)
+  ckpt = os.path.join(workdir, 'checkpoints')
+  test.assertTrue(kill_after_checkpoint(proc, ckpt, step, timeout=timeout),
+                  'run finished before it could be killed')
+  killed_at = max(int(s) for s in os.listdir(ckpt) if s.isdigit())
+  test.assertLess(killed_at, config['num_rounds'])
+  return finish(cmd, workdir)
+
+
 def finish(cmd, workdir):
   """Runs `cmd` to completion (exit 0 asserted); its summary.json."""
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
@@ -233,19 +250,27 @@ class EndToEndTest(IdxDataTestCase):
     self.assertEqual([r['round'] for r in rows], [1, 2, 3, 4])
     self.assertTrue(all('staleness_mean' in r for r in rows))
 
-  def test_fedhan_cache_survives_resume(self):
-    """FedHAN on width-sliced, delayed clients under an attack: its
-    per-client cache, global-update history and bans are checkpointed, so
-    the resumed run ends on the straight run's parameters."""
-    fedhan = dict(method='fedhan', transform='width', width_ratios='1,0.5',
-                  client_delay='uniform:1', clients_per_round=0,
-                  attack='fang_trim', malicious_fraction=0.25,
-                  attack_start_round=1)
-    straight, resumed, rows = self.straight_and_resumed(4, 2, **fedhan)
+  def test_fedhan_state_survives_kill_dash_nine(self):
+    """FedHAN on width-sliced, delayed clients under an attack, with
+    recovery on: its per-client cache, update history, bans and recovery
+    record are checkpointed, so a run SIGKILLed after a checkpoint and
+    resumed ends on the straight run's parameters."""
+    config = base_config(
+        self.data_dir, self.create_tempdir().full_path, method='fedhan',
+        transform='width', width_ratios='1,0.5', client_delay='uniform:1',
+        clients_per_round=0, attack='fang_trim', malicious_fraction=0.25,
+        attack_start_round=1, fedhan_rollback=2, num_rounds=6)
+    straight = train.run(dict(config, checkpoint_every=6))
+    self.assertEqual(straight['resolved']['aggregator'], 'fedhan')
+    workdir = self.create_tempdir().full_path
+    resumed = kill_and_resume(self, dict(config, workdir=workdir), 3,
+                              timeout=240)
     self.assertEqual(resumed['params_sha256'], straight['params_sha256'])
-    self.assertEqual(resumed['resolved']['aggregator'], 'fedhan')
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      rows = [json.loads(line) for line in f]
     for row in rows:
       self.assertIn('det_tp', row)
+      self.assertIn('recovered', row)
       self.assertIn('suspicion', row['clients'])
       self.assertTrue(np.isfinite(row['test_accuracy']))
 
@@ -360,6 +385,17 @@ class EndToEndTest(IdxDataTestCase):
     self.assertEqual(last['det_tp'] + last['det_fp'], 7.0)
     self.assertEqual(last['cumulative_det_tp'] + last['cumulative_det_fp'],
                      14.0)
+    # DACC = (TP + TN) / all, FNR = FN / (FN + TP), over both rounds.
+    c = {k: last['cumulative_det_' + k] for k in ('tp', 'fp', 'fn', 'tn')}
+    self.assertAlmostEqual(last['cumulative_detection_accuracy'],
+                           (c['tp'] + c['tn']) / sum(c.values()))
+    self.assertAlmostEqual(last['cumulative_detection_fnr'],
+                           c['fn'] / (c['fn'] + c['tp']))
+    # rounds.jsonl: one row per round, each with the clients.
+    with open(os.path.join(workdir, 'rounds.jsonl')) as f:
+      per_round = [json.loads(line) for line in f]
+    self.assertEqual([r['round'] for r in per_round], [1, 2])
+    self.assertEqual(per_round[-1]['clients']['id'], last['clients']['id'])
     # Per-client rows: who attacked, the weight each got (Krum: one 1).
     clients = last['clients']
     self.assertEqual(len(clients['id']), 8)
@@ -416,17 +452,8 @@ class EndToEndTest(IdxDataTestCase):
                          num_rounds=150, eval_every=50, local_epochs=2)
     reference = train.run(dict(config, checkpoint_every=150))
     workdir = self.create_tempdir().full_path
-    cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'main.py')]
-    cmd += flags_for(dict(config, workdir=workdir))
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=ROOT)
-    ckpt = os.path.join(workdir, 'checkpoints')
-    self.assertTrue(kill_after_checkpoint(proc, ckpt, 5),
-                    'run finished before it could be killed')
-    killed_at = max(int(s) for s in os.listdir(ckpt) if s.isdigit())
-    self.assertLess(killed_at, 150)
-    self.assertEqual(finish(cmd, workdir)['params_sha256'],
-                     reference['params_sha256'])
+    resumed = kill_and_resume(self, dict(config, workdir=workdir), 5)
+    self.assertEqual(resumed['params_sha256'], reference['params_sha256'])
 
 
 class CheckpointerTest(absltest.TestCase):

@@ -30,6 +30,8 @@ AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     'weighted_mean': mean_lib.weighted_mean,
     'fdagg': mean_lib.fdagg,
     'mean': mean_lib.mean,
+    'twafl': mean_lib.twafl,
+    'sasgd': mean_lib.sasgd,
     'median': coordinatewise.median,
     'trimmed_mean': coordinatewise.trimmed_mean,
     'krum': krum_lib.krum,
@@ -125,7 +127,7 @@ GLOBAL_MODEL_RULES = ('fltrust', 'crfl', 'sageflow', 'finetune')
 # Rules that track the global model in their state, assuming the server
 # applies params + update with server lr 1. FLDetector uses only the
 # model's changes (w_t - w_{t-1}), so it runs on any group of clients.
-MODEL_TRACKING_RULES = GLOBAL_MODEL_RULES + ('fldetector',)
+MODEL_TRACKING_RULES = GLOBAL_MODEL_RULES + ('fldetector', 'fedhan')
 # Rules whose per-client history assumes consecutive rounds: every client
 # every round, no client delays.
 FULL_PARTICIPATION_RULES = ('foolsgold', 'fldetector')
@@ -134,4 +136,4 @@ FULL_PARTICIPATION_RULES = ('foolsgold', 'fldetector')
 SLOT_HISTORY_RULES = ('foolsgold',)
 # Per-client state indexed by client id (the `ids` extra, num_clients=K):
 # any group of clients, e.g. the shared layers of several cohorts.
-CLIENT_ID_RULES = ('fldetector', 'fedhan')
+CLIENT_ID_RULES = ('fldetector', 'fedhan', 'foolsgold_ids')

@@ -21,7 +21,29 @@ per round:
   4. Eq. 7-8: adds alpha times the aggregate of the cached updates of
      non-arriving clients (staleness <= tau_max) whose cosine with it is
      >= sim_min;
-  5. pushes the result onto the global-update history (Eq. 9's g(w_t)).
+  5. pushes the result onto the global-update history (Eq. 9's g(w_t));
+  6. Sec. 3.5.4, when detection flags someone: rolls back `rollback`
+     rounds and replays them without the flagged clients (below).
+
+Recovery (Sec. 3.5.4, Eq. 10). The rule stores, for each of the last m =
+`rollback` rounds, the kept arrivals' imputed updates and their Eq. 5
+weights (at most `recovery_slots` per round, the O(mKp) storage of
+Sec. 4.1), that round's historical aggregate and the update it applied.
+With server lr 1 the model moved by exactly those updates, so the rule
+knows w_t - w_{j-m} without seeing the model. On detection in round j it
+replays rounds t = j-m .. j-1 from w_{j-m}: each round's update becomes
+the Eq. 5-6 aggregate of its arrivals that are not banned, plus
+alpha gtilde_t, corrected for the model it is now applied to by Eq. 10,
+  ghat_t = gbar_t - H (what_t - w_t),
+with H v the L-BFGS product (fldetector.lbfgs_hvp) from pairs of the
+recorded trajectory (s_t = applied update t, y_t = applied update t minus
+applied update t + 1: the change of the descent direction, in the delta
+convention). The round returns (what_j - w_j) + ghat_j, which moves the
+model to the replayed trajectory. No client computes anything during the
+replay (the paper's exact warm-up and periodic exact rounds, T_w and T_c,
+are 0 and never here: the following rounds are the exact ones). The
+replayed trajectory replaces the record: a later recovery cannot roll back
+past this round, and L-BFGS pairs restart.
 
 The update returned is in the engine's delta convention (client - server,
 so FedHAN's "w - eta g" is "w + server_lr * update").
@@ -34,8 +56,11 @@ Assumptions where the paper is silent (BUILD_NOTES §3d):
   * the engine aggregates every update that arrives in the round, not a
     fixed K;
   * eps of DBSCAN is relative to the median score (the paper gives none);
-  * Sec. 3.5.4's recovery (rollback m rounds and L-BFGS replay) is not
-    part of this rule: detection removes the flagged clients going forward.
+  * recovery: one L-BFGS approximation shared by all clients (the paper
+    writes H_{j,i}; per-client pairs need the same client in consecutive
+    rounds, which partial asynchronous participation rarely gives), pairs
+    only where s.y > 0, and the replayed rounds keep their recorded
+    historical aggregate.
 """
 
 from __future__ import annotations
@@ -48,23 +73,69 @@ import jax.numpy as jnp
 from fedrobust.aggregators.base import Aggregator
 from fedrobust.aggregators.finetune import (finite_clients, first_client,
                                             ravel_one)
+from fedrobust.aggregators.fldetector import lbfgs_hvp
 from fedrobust.aggregators.mean import setting
 from fedrobust.aggregators import fedhan_cache as fc
 from fedrobust.tree import ravel_clients, unravel_like
 
+CACHE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+class RecoveryRecord(NamedTuple):
+  """The last m rounds, row t mod m (Sec. 3.5.4's O(mKp) storage)."""
+  gbar: jax.Array      # [m, S, D] kept arrivals' imputed updates
+  weight: jax.Array    # [m, S, D] their Eq. 5 weights p'
+  ids: jax.Array       # int32[m, S]
+  kept: jax.Array      # bool[m, S]
+  gtilde: jax.Array    # float32[m, D] the round's historical aggregate
+  round: jax.Array     # int32[m], the round a row holds (0: none)
+
 
 class FedHANState(NamedTuple):
   cache: fc.FedHANCache      # per-client cache (N rows)
-  history: jax.Array         # float32[H, D], global updates, newest last
+  history: jax.Array         # float32[H, D], update applied in round t at
+                             # row t mod H
   banned: jax.Array          # bool[N], detected clients
   round: jax.Array           # int32[], rounds aggregated so far
+  record: RecoveryRecord     # recovery storage (m = 0: empty arrays)
+  base: jax.Array            # int32[], last round whose model the record
+                             # cannot roll back past (a recovery, or 0)
+
+
+def recovery_bytes(rollback: int, slots: int, dim: int,
+                   dtype=jnp.float32) -> int:
+  """Bytes of the recovery record: 2 m S D values plus m D float32."""
+  item = fc.storage_dtype(dtype).itemsize
+  return rollback * (2 * slots * dim * item + slots * 5 + dim * 4 + 4)
+
+
+def _empty_record(m: int, s: int, d: int, dtype) -> RecoveryRecord:
+  z = jnp.zeros((m, s, d), fc.storage_dtype(dtype))
+  return RecoveryRecord(z, z,
+                        jnp.zeros((m, s), jnp.int32), jnp.zeros((m, s), bool),
+                        jnp.zeros((m, d), jnp.float32),
+                        jnp.zeros((m,), jnp.int32))
+
+
+def _compact(keep: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+  """`size` slot indices, the kept slots first, and whether each is kept
+  (padded with unkept slot 0 when there are fewer slots than `size`)."""
+  order = jnp.argsort(~keep, stable=True)[:size]
+  kept = keep[order]
+  pad = size - order.shape[0]
+  if pad:
+    order = jnp.concatenate([order, jnp.zeros((pad,), order.dtype)])
+    kept = jnp.concatenate([kept, jnp.zeros((pad,), bool)])
+  return order, kept
 
 
 def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
            beta: float = 0.9, alpha: float = 0.2, sim_min: float = 0.5,
            tau_max: int = 10, eps: float = 0.5, min_samples: int = 2,
-           detect: bool = True, history: int = 16) -> Aggregator:
-  """FedHAN's imputation, historical selection and detection.
+           detect: bool = True, detect_start: int = 1, history: int = 16,
+           rollback: int = 0, recovery_slots: int = 16,
+           cache_dtype: str = 'float32') -> Aggregator:
+  """FedHAN's imputation, historical selection, detection and recovery.
 
   Args:
     num_byzantine: unused (detection needs no f).
@@ -77,12 +148,26 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     eps, min_samples: DBSCAN's radius (relative to the median score) and
       core size.
     detect: run the detection (off: imputation and history only).
-    history: rounds of global updates kept for Eq. 9.
+    detect_start: first round whose arrivals may be flagged (the paper's
+      detector setting starts at round 50); earlier rounds are scored only.
+    history: rounds of applied global updates kept (Eq. 9 reads the one a
+      stale model came from; older staleness reads the oldest).
+    rollback: m, rounds the recovery rolls back and replays (0: no
+      recovery, the flagged clients are only excluded from then on).
+    recovery_slots: S, kept arrivals stored per round for the replay; more
+      arrivals in a round are aggregated but not stored (info
+      'recovery_overflow').
+    cache_dtype: 'float32' or 'bfloat16', the storage type of the cache
+      and the recovery record (computation stays float32).
 
   Returns:
     Aggregator reading `ids`, `staleness` and `coverage`. info: 'weights'
     (1/n per kept arrival, 0 if excluded), 'suspicion', 'flagged',
-    'history_selected' (count), 'detected'.
+    'history_selected' (count), 'detected', 'recovered', 'replayed'
+    (rounds replayed), 'recovery_shift' (||what_j - w_j||),
+    'recovery_overflow', and per arrival 'staleness', 'coverage' (share
+    of the model it trained), 'update_norm' (||gbar_i||) and
+    'global_norm' (||gchk_i||), both 0 if excluded.
   """
   del num_byzantine
   if num_clients is None or num_clients < 1:
@@ -94,16 +179,67 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                           ('tau_max', tau_max, tau_max >= 0),
                           ('eps', eps, eps > 0.0),
                           ('min_samples', min_samples, min_samples >= 1),
-                          ('history', history, history >= 1)):
+                          ('detect_start', detect_start, detect_start >= 1),
+                          ('history', history, history >= 1),
+                          ('rollback', rollback, rollback >= 0),
+                          ('recovery_slots', recovery_slots,
+                           recovery_slots >= 1),
+                          ('cache_dtype', cache_dtype,
+                           cache_dtype in CACHE_DTYPES)):
     if not ok:
       raise setting('fedhan', name, f'out of range: {value!r}')
+  if rollback and history < rollback + 2:
+    raise setting('fedhan', 'history', f'must be >= rollback + 2 = '
+                  f'{rollback + 2} (the replay reads {rollback + 1} '
+                  f'applied updates), got {history}')
+  dtype = CACHE_DTYPES[cache_dtype]
+  m = rollback
 
   def init(params):
     d = ravel_one(params).shape[0]
-    return FedHANState(fc.init_cache(num_clients, d),
+    return FedHANState(fc.init_cache(num_clients, d, dtype),
                        jnp.zeros((history, d), jnp.float32),
                        jnp.zeros((num_clients,), bool),
+                       jnp.zeros((), jnp.int32),
+                       _empty_record(m, recovery_slots if m else 0,
+                                     d if m else 0, dtype),
                        jnp.zeros((), jnp.int32))
+
+  def applied(state, t):
+    """Update applied in round t (0 if t is not in the history)."""
+    ok = (t >= 1) & (t > state.round - history)
+    return jnp.where(ok, state.history[jnp.mod(t, history)], 0.0), ok
+
+  def replay(state, banned, round_):
+    """Sec. 3.5.4: (what_j - w_j, rounds replayed, pairs' HVP function)."""
+    rec = state.record
+    # L-BFGS pairs from the recorded trajectory: rounds t = j-m-1 .. j-2,
+    # oldest first (s_t = u_t, y_t = u_t - u_{t+1}).
+    ts = round_ - m - 1 + jnp.arange(m)
+    u, ok = jax.vmap(lambda t: applied(state, t))(ts)
+    u_next, ok_next = jax.vmap(lambda t: applied(state, t))(ts + 1)
+    s_pairs, y_pairs = u, u - u_next
+    sy = jnp.sum(s_pairs * y_pairs, axis=1)
+    present = ok & ok_next & (ts > state.base) & (sy > 0)
+    hvp = lambda v: lbfgs_hvp(s_pairs, y_pairs, present, v)
+
+    def step(r, carry):
+      delta, n = carry
+      t = round_ - m + r
+      row = jnp.mod(t, m)
+      live = (rec.round[row] == t) & (t > state.base)
+      keep = rec.kept[row] & ~banned.at[rec.ids[row]].get(
+          mode='fill', fill_value=True)
+      agg = fc.weighted(rec.gbar[row], rec.weight[row],
+                        jnp.ones(rec.gbar.shape[1:], bool), keep, alpha)
+      ghat = agg + alpha * rec.gtilde[row] - hvp(delta)
+      u_t, _ = applied(state, t)
+      return (jnp.where(live, delta + ghat - u_t, delta),
+              n + live.astype(jnp.int32))
+
+    delta0 = jnp.zeros(state.history.shape[1:], jnp.float32)
+    delta, n = jax.lax.fori_loop(0, m, step, (delta0, jnp.int32(0)))
+    return delta, n, hvp
 
   def aggregate(updates, mask, state, key, *, ids, staleness,
                 coverage=None):
@@ -119,12 +255,15 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     tau = jnp.maximum(jnp.asarray(staleness, jnp.int32), 0)
     round_ = state.round + 1
     clean = jnp.where(valid[:, None] & cov, flat, 0.0)
-    # g(w_{j - tau}): the global update applied tau rounds before this one.
-    # A model sent before any global update existed (round 1) has none: its
-    # imputed global update takes its own upload there (suspicion 0 on those
-    # coordinates, now and while they stay imputed), and it is not scored.
-    have_global = round_ - tau > 1
-    then = state.history[jnp.clip(history - 1 - tau, 0, history - 1)]
+    # g(w_{j - tau}): the global update applied in round j - 1 - tau (the
+    # one the client's model came from; older than the history: the
+    # oldest kept). A model sent before any global update existed (round
+    # 1) has none: its imputed global update takes its own upload there
+    # (suspicion 0 on those coordinates, now and while they stay imputed),
+    # and it is not scored.
+    src = jnp.maximum(round_ - 1 - tau, round_ - history)
+    have_global = round_ - 1 - tau >= 1
+    then = state.history[jnp.mod(src, history)]
     then = jnp.where(have_global[:, None], then, clean)
     cache = fc.receive(state.cache, ids, valid, clean, cov, tau, then,
                        round_=round_, beta=beta)
@@ -133,26 +272,70 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     if detect:
       flagged, detected = fc.detect(scores, scored, eps=eps,
                                     min_samples=min_samples)
+      on = round_ >= detect_start
+      flagged, detected = flagged & on, detected & on
     else:
       flagged, detected = jnp.zeros((c,), bool), jnp.bool_(False)
     keep = valid & ~flagged
     new_banned = state.banned.at[jnp.where(flagged, ids, num_clients)].set(
         True, mode='drop')
-    estimate = fc.aggregate_arrivals(cache, ids, keep, alpha=alpha)
+    gbar_rows, weight_rows, mask_rows = fc.arrival_rows(cache, ids, keep)
+    estimate = fc.weighted(gbar_rows, weight_rows, mask_rows, keep, alpha)
     gtilde, selected, _ = fc.select_history(
         cache, ids, keep, estimate, round_=round_, sim_min=sim_min,
-        tau_max=tau_max, alpha=alpha, excluded=new_banned)
+        tau_max=tau_max, alpha=alpha, beta=beta, excluded=new_banned)
     g = estimate + alpha * gtilde
+    record, base = state.record, state.base
+    recovered = jnp.bool_(False)
+    shift = jnp.float32(0.0)
+    replayed = jnp.int32(0)
+    overflow = jnp.float32(0.0)
+    if m:
+      recovered = jnp.any(flagged)
+
+      def recover():
+        delta, n, hvp = replay(state, new_banned, round_)
+        return delta + g - hvp(delta), n, jnp.linalg.norm(delta)
+
+      out, replayed, shift = jax.lax.cond(
+          recovered, recover,
+          lambda: (g, jnp.int32(0), jnp.float32(0.0)))
+      order, kept = _compact(keep, recovery_slots)
+      row = jnp.mod(round_, m)
+      p = weight_rows * jnp.where(mask_rows, 1.0, alpha)
+      put = lambda a, v: a.at[row].set(fc.encode(v, a.dtype))
+      record = RecoveryRecord(
+          gbar=put(record.gbar, gbar_rows[order]),
+          weight=put(record.weight, p[order]),
+          ids=put(record.ids, ids[order]), kept=put(record.kept, kept),
+          gtilde=put(record.gtilde, gtilde),
+          round=jnp.where(recovered, 0, record.round).at[row].set(round_))
+      # After a recovery the record before this round is gone, and this
+      # round's model is the new base.
+      base = jnp.where(recovered, round_, base)
+      overflow = jnp.maximum(jnp.sum(keep) - recovery_slots,
+                             0).astype(jnp.float32)
+    else:
+      out = g
     new_state = FedHANState(
         cache=cache,
-        history=jnp.concatenate([state.history[1:], g[None]], axis=0),
-        banned=new_banned, round=round_)
+        history=state.history.at[jnp.mod(round_, history)].set(g),
+        banned=new_banned, round=round_, record=record, base=base)
     n_keep = jnp.maximum(jnp.sum(keep.astype(jnp.float32)), 1.0)
     info = {'weights': jnp.where(keep, 1.0 / n_keep, 0.0).astype(jnp.float32),
             'suspicion': scores.astype(jnp.float32),
             'flagged': flagged & valid,
             'history_selected': jnp.sum(selected).astype(jnp.float32),
-            'detected': detected}
-    return unravel_like(g, first_client(updates)), new_state, info
+            'detected': detected,
+            'recovered': jnp.asarray(recovered, jnp.float32),
+            'replayed': jnp.asarray(replayed, jnp.float32),
+            'recovery_shift': jnp.asarray(shift, jnp.float32),
+            'recovery_overflow': overflow,
+            # Per arrival, for diagnosing the scores.
+            'staleness': jnp.where(mask, tau, 0).astype(jnp.float32),
+            'coverage': jnp.mean(cov.astype(jnp.float32), axis=1),
+            'update_norm': jnp.linalg.norm(gbar_rows, axis=1),
+            'global_norm': fc.global_norms(cache, ids, keep)}
+    return unravel_like(out, first_client(updates)), new_state, info
 
   return Aggregator(init, aggregate, reads=('ids', 'staleness', 'coverage'))

@@ -13,7 +13,9 @@ width mask m_i, m~_i = 1 - m_i, staleness tau_i):
 
   Eq. 3  gbar_i <- g_i on m_i, gbar_i (previous) on m~_i;
          clients that did not arrive keep gbar_i.
-  Eq. 4  M_i <- beta^tau_i on m_i, beta M_i on m~_i; others M_i <- beta M_i.
+  Eq. 4  M_i <- beta^tau_i on m_i, beta M_i on m~_i; others M_i <- beta M_i
+         (kept lazily: M_i = scale_i beta^(j - last_i), so a round touches
+         the arrivals' rows only).
   Eq. 9  gchk_i <- g(w_{j - tau_i}) on m_i, gchk_i on m~_i, where
          g(w_t) is the global update of round t (the one the client's model
          came from); others keep gchk_i.
@@ -47,10 +49,12 @@ from fedrobust.aggregators.clustering import cluster_count, dbscan, kmeans2_1d
 
 
 class FedHANCache(NamedTuple):
-  gbar: jax.Array        # float32[N, D], latest imputed local update (Eq. 3)
-  weight: jax.Array      # float32[N, D], its weight matrix M (Eq. 4)
+  gbar: jax.Array        # [N, D], latest imputed local update (Eq. 3)
+  scale: jax.Array       # [N, D], Eq. 4's weight matrix at round `last`:
+                         # M_i(j) = scale_i * beta^(j - last_i)
   mask: jax.Array        # bool[N, D], width mask of the latest upload
-  gchk: jax.Array        # float32[N, D], latest imputed global update (Eq. 9)
+  gchk: jax.Array        # [N, D], latest imputed global update (Eq. 9)
+  norm: jax.Array        # float32[N], ||gbar_i|| (Eq. 7's denominator)
   last: jax.Array        # int32[N], round of the latest upload (0: none;
                          # rounds count from 1)
 
@@ -60,11 +64,50 @@ class FedHANCache(NamedTuple):
     return self.last > 0
 
 
-def init_cache(num_clients: int, dim: int) -> FedHANCache:
-  """An empty cache for N clients of D parameters."""
-  z = jnp.zeros((num_clients, dim), jnp.float32)
+def init_cache(num_clients: int, dim: int, dtype=jnp.float32) -> FedHANCache:
+  """An empty cache for N clients of D parameters.
+
+  The three [N, D] value arrays are kept in `dtype` (float32, or bfloat16
+  to halve the O(4Np) state); every computation on them is in float32.
+  """
+  z = jnp.zeros((num_clients, dim), storage_dtype(dtype))
   return FedHANCache(z, z, jnp.zeros((num_clients, dim), bool), z,
+                     jnp.zeros((num_clients,), jnp.float32),
                      jnp.zeros((num_clients,), jnp.int32))
+
+
+def storage_dtype(dtype) -> jnp.dtype:
+  """How values of `dtype` are stored: bfloat16 as its uint16 bit pattern.
+
+  XLA's CPU backend widens a bfloat16 scatter or dynamic-update-slice to
+  float32 over the whole array (at N = 1000 and the paper's CNN, a 6.6 GB
+  temporary per cache array); on the bit pattern the write is an in-place
+  integer scatter on every backend.
+  """
+  return jnp.dtype(jnp.uint16) if jnp.dtype(dtype) == jnp.bfloat16 else (
+      jnp.dtype(jnp.float32))
+
+
+def encode(x: jax.Array, stored) -> jax.Array:
+  """float values -> the storage type `stored` (see storage_dtype)."""
+  if jnp.dtype(stored) == jnp.uint16:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+  return x.astype(stored)
+
+
+def decode(a: jax.Array) -> jax.Array:
+  """Stored values -> float32 (bool and int arrays unchanged)."""
+  if a.dtype == jnp.uint16:
+    return jax.lax.bitcast_convert_type(a, jnp.bfloat16).astype(jnp.float32)
+  if jnp.issubdtype(a.dtype, jnp.floating):
+    return a.astype(jnp.float32)
+  return a
+
+
+def cache_bytes(num_clients: int, dim: int, dtype=jnp.float32) -> int:
+  """Bytes of `init_cache(num_clients, dim, dtype)` (without building it)."""
+  item = storage_dtype(dtype).itemsize
+  return num_clients * (dim * (3 * item + 1) + 8)
 
 
 def _rows(ids: jax.Array, mask: jax.Array, n: int) -> jax.Array:
@@ -72,11 +115,32 @@ def _rows(ids: jax.Array, mask: jax.Array, n: int) -> jax.Array:
   return jnp.where(mask, jnp.asarray(ids, jnp.int32), n)
 
 
+def _get(a: jax.Array, rows: jax.Array, fill=0) -> jax.Array:
+  """Rows of `a` (float32 for value arrays); rows past the end: fill."""
+  return decode(a.at[rows].get(mode='fill', fill_value=fill))
+
+
+def weights_at(cache: FedHANCache, round_: jax.Array, beta: float,
+               rows: jax.Array | None = None) -> jax.Array:
+  """Eq. 4's weight matrix M at round j: float32[N, D] (or of `rows`).
+
+  Every coordinate of every row decays by beta per round unless an upload
+  resets it, so M_i(j) = scale_i * beta^(j - last_i): the decay of clients
+  that did not arrive costs no pass over the cache.
+  """
+  if rows is None:
+    scale, last = decode(cache.scale), cache.last
+  else:
+    scale, last = _get(cache.scale, rows), _get(cache.last, rows)
+  age = jnp.maximum(jnp.asarray(round_, jnp.int32) - last, 0)
+  return scale * jnp.power(beta, age.astype(jnp.float32))[:, None]
+
+
 def receive(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
             updates: jax.Array, masks: jax.Array, staleness: jax.Array,
             global_then: jax.Array, *, round_: jax.Array,
             beta: float) -> FedHANCache:
-  """Eq. 3, 4 and 9 for the round's arrivals.
+  """Eq. 3, 4 and 9 for the round's arrivals; touches their rows only.
 
   Args:
     cache: the cache before round j.
@@ -95,43 +159,63 @@ def receive(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
   n = cache.gbar.shape[0]
   rows = _rows(ids, mask, n)
   m = jnp.asarray(masks, bool)
-  old = lambda a, fill: a.at[rows].get(mode='fill', fill_value=fill)
   tau = jnp.asarray(staleness, jnp.float32)[:, None]
-  new_gbar = jnp.where(m, updates, old(cache.gbar, 0.0))
-  decayed = beta * cache.weight                      # everyone decays ...
-  new_w = jnp.where(m, jnp.power(beta, tau), old(decayed, 0.0))
-  new_gchk = jnp.where(m, global_then, old(cache.gchk, 0.0))
-  put = lambda a, v: a.at[rows].set(v, mode='drop')
+  new_gbar = jnp.where(m, updates, _get(cache.gbar, rows))
+  # Eq. 4: beta^tau on the new part, the decayed old weight elsewhere.
+  new_scale = jnp.where(m, jnp.power(beta, tau),
+                        weights_at(cache, round_, beta, rows))
+  new_gchk = jnp.where(m, global_then, _get(cache.gchk, rows))
+  put = lambda a, v: a.at[rows].set(encode(v, a.dtype), mode='drop')
+  stored = decode(encode(new_gbar, cache.gbar.dtype))
   return FedHANCache(
       gbar=put(cache.gbar, new_gbar),
-      weight=put(decayed, new_w),                    # ... arrivals reset
+      scale=put(cache.scale, new_scale),
       mask=put(cache.mask, m),
       gchk=put(cache.gchk, new_gchk),
+      norm=put(cache.norm, jnp.linalg.norm(stored, axis=1)),
       last=put(cache.last, jnp.full(rows.shape, round_, jnp.int32)))
 
 
-def _weighted(gbar: jax.Array, weight: jax.Array, mask: jax.Array,
-              keep: jax.Array, alpha: float) -> jax.Array:
-  """Eq. 5-6 over the rows where keep: float32[D]."""
-  p = weight * jnp.where(mask, 1.0, alpha) * keep[:, None]
+def weighted(gbar: jax.Array, weight: jax.Array, mask: jax.Array,
+             keep: jax.Array, alpha: float) -> jax.Array:
+  """Eq. 5-6 over the rows where keep: float32[D].
+
+  p'_i = M_i (m_i + alpha m~_i) per coordinate, normalised per coordinate
+  over the kept rows; a coordinate nobody weighs stays 0.
+  """
+  keep = jnp.asarray(keep, bool)[:, None]
+  p = jnp.where(keep, decode(weight) * jnp.where(mask, 1.0, alpha), 0.0)
   total = jnp.sum(p, axis=0)
-  agg = jnp.sum(p * jnp.where(keep[:, None], gbar, 0.0), axis=0)
+  agg = jnp.sum(p * jnp.where(keep, decode(gbar), 0.0), axis=0)
   return jnp.where(total > 0, agg / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def arrival_rows(cache: FedHANCache, ids: jax.Array, mask: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(gbar, M, mask) of the round's slots after `receive` ([K, D] each;
+  an arrival's M is its scale, since its last upload is this round)."""
+  rows = _rows(ids, mask, cache.gbar.shape[0])
+  return (_get(cache.gbar, rows), _get(cache.scale, rows),
+          _get(cache.mask, rows, False))
 
 
 def aggregate_arrivals(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
                        *, alpha: float) -> jax.Array:
   """Eq. 5-6: gbar(w_j) over the arrivals (after `receive`): float32[D]."""
-  n = cache.gbar.shape[0]
-  keep = jnp.zeros((n,), bool).at[_rows(ids, mask, n)].set(True, mode='drop')
-  return _weighted(cache.gbar, cache.weight, cache.mask, keep, alpha)
+  gbar, weight, m = arrival_rows(cache, ids, mask)
+  return weighted(gbar, weight, m, mask, alpha)
 
 
 def select_history(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
                    estimate: jax.Array, *, round_: jax.Array, sim_min: float,
-                   tau_max: int, alpha: float, excluded: jax.Array | None = None
+                   tau_max: int, alpha: float, beta: float,
+                   excluded: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Eq. 7-8's historical part.
+
+  One pass over the cache for the cosines (row norms are kept by
+  `receive`); the Eq. 5-6 aggregate of the selected rows costs a second
+  pass only in rounds where some row is selected.
 
   Args:
     estimate: float32[D], gbar(w_j) from `aggregate_arrivals`.
@@ -147,23 +231,70 @@ def select_history(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
   candidate = cache.seen & ~arrived & (round_ - cache.last <= tau_max)
   if excluded is not None:
     candidate = candidate & ~excluded
-  dot = cache.gbar @ estimate
-  norms = jnp.linalg.norm(cache.gbar, axis=1) * jnp.linalg.norm(estimate)
-  sim = jnp.where(candidate & (norms > 0), dot / jnp.where(norms > 0, norms,
-                                                            1.0), 0.0)
-  selected = candidate & (norms > 0) & (sim >= sim_min)
-  return (_weighted(cache.gbar, cache.weight, cache.mask, selected, alpha),
-          selected, sim)
+  dot = row_dots(cache.gbar, estimate)
+  norms = cache.norm * jnp.linalg.norm(estimate)
+  ok = candidate & (norms > 0)
+  sim = jnp.where(ok, dot / jnp.where(norms > 0, norms, 1.0), 0.0)
+  selected = ok & (sim >= sim_min)
+  gtilde = jax.lax.cond(
+      jnp.any(selected),
+      lambda: weighted_cache(cache, selected, round_=round_, beta=beta,
+                             alpha=alpha),
+      lambda: jnp.zeros(estimate.shape, jnp.float32))
+  return gtilde, selected, sim
+
+
+def row_dots(x: jax.Array, v: jax.Array, block: int = 32) -> jax.Array:
+  """x @ v in float32, `block` rows at a time (a bfloat16 x is widened a
+  block at a time, not as a whole [N, D] float32 copy)."""
+  n = x.shape[0]
+  block = max(1, min(block, n))
+  nb = -(-n // block)
+
+  def one(b):
+    rows = b * block + jnp.arange(block)
+    return _get(x, rows) @ v
+
+  return jax.lax.map(one, jnp.arange(nb)).reshape(-1)[:n]
+
+
+def weighted_cache(cache: FedHANCache, keep: jax.Array, *, round_: jax.Array,
+                   beta: float, alpha: float, block: int = 32) -> jax.Array:
+  """`weighted` over the cache rows where keep, `block` rows at a time, so
+  no [N, D] temporary is made (at N = 1000 and the paper's CNN, one would
+  be 6.6 GB)."""
+  n, d = cache.gbar.shape
+  block = max(1, min(block, n))
+
+  def body(b, carry):
+    total, agg = carry
+    rows = b * block + jnp.arange(block)
+    sel = keep.at[rows].get(mode='fill', fill_value=False)
+    w = weights_at(cache, round_, beta, jnp.where(sel, rows, n))
+    p = jnp.where(sel[:, None],
+                  w * jnp.where(_get(cache.mask, rows, False), 1.0, alpha),
+                  0.0)
+    return (total + jnp.sum(p, axis=0),
+            agg + jnp.sum(p * _get(cache.gbar, rows), axis=0))
+
+  zero = jnp.zeros((d,), jnp.float32)
+  total, agg = jax.lax.fori_loop(0, -(-n // block), body, (zero, zero))
+  return jnp.where(total > 0, agg / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def global_norms(cache: FedHANCache, ids: jax.Array, mask: jax.Array
+                 ) -> jax.Array:
+  """||gchk_i|| per slot (0 if masked)."""
+  rows = _rows(ids, mask, cache.gbar.shape[0])
+  return jnp.where(mask, jnp.linalg.norm(_get(cache.gchk, rows), axis=1), 0.0)
 
 
 def suspicion(cache: FedHANCache, ids: jax.Array, mask: jax.Array
               ) -> jax.Array:
   """Sec. 3.5.3: s_i = ||gchk_i - gbar_i||_2 per slot (0 if masked)."""
-  n = cache.gbar.shape[0]
-  rows = _rows(ids, mask, n)
-  get = lambda a: a.at[rows].get(mode='fill', fill_value=0.0)
-  return jnp.where(mask, jnp.linalg.norm(get(cache.gchk) - get(cache.gbar),
-                                         axis=1), 0.0)
+  rows = _rows(ids, mask, cache.gbar.shape[0])
+  return jnp.where(mask, jnp.linalg.norm(
+      _get(cache.gchk, rows) - _get(cache.gbar, rows), axis=1), 0.0)
 
 
 def detect(scores: jax.Array, mask: jax.Array, *, eps: float,

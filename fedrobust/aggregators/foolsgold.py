@@ -83,16 +83,25 @@ def foolsgold_weights(history: jax.Array, valid: jax.Array, *,
 
 
 def foolsgold(*, num_byzantine: int, num_clients: int | None = None,
-              kappa: float = 1.0) -> Aggregator:
-  """FoolsGold aggregation with slot-indexed history.
+              kappa: float = 1.0, by_client_id: bool = False) -> Aggregator:
+  """FoolsGold aggregation with slot- or client-indexed history.
+
+  With by_client_id (the registry's 'foolsgold_ids') the history has one
+  row per client id in [0, num_clients) and the rule reads `ids`: a
+  client's row gathers its updates whenever it arrives, so it runs with
+  partial participation and client delays (FedHAN's asynchronous
+  setting). The weights are Algorithm 1 over the arriving clients'
+  histories.
 
   Args:
     num_byzantine: unused (FoolsGold needs no f).
-    num_clients: C, the number of slots the aggregator will see. Give it:
+    num_clients: C, the number of slots the aggregator will see (with
+      by_client_id: N, the number of client ids; required). Give it:
       with None the history is created on the first aggregate call, so the
       state changes shape once (one extra trace, and it cannot be carried
       through lax.scan before that first call).
     kappa: confidence of the logit (the paper's kappa = 1).
+    by_client_id: index the history by client id (reads `ids`).
 
   Returns:
     Aggregator with state FoolsGoldState. info: 'weights' float32[C] (the
@@ -104,10 +113,34 @@ def foolsgold(*, num_byzantine: int, num_clients: int | None = None,
                   f'{num_clients}')
   if kappa <= 0:
     raise setting('foolsgold', 'kappa', f'must be > 0, got {kappa}')
+  if by_client_id and num_clients is None:
+    raise setting('foolsgold_ids', 'num_clients', 'is required (one '
+                  'history row per client id)')
 
   def init(params):
     d = ravel_one(params).shape[0]
     return FoolsGoldState(jnp.zeros((num_clients or 0, d), jnp.float32))
+
+  def by_id(updates, mask, state, key, *, ids):
+    del key
+    flat = ravel_clients(updates).astype(jnp.float32)
+    valid = finite_clients(flat, mask)
+    clean = select_rows(flat, valid)
+    rows = jnp.where(valid, jnp.asarray(ids, jnp.int32), num_clients)
+    history = state.history.at[rows].add(clean, mode='drop')
+    mine = history.at[rows].get(mode='fill', fill_value=0.0)
+    return combine(updates, clean, valid, mine, FoolsGoldState(history))
+
+  def combine(updates, clean, valid, mine, new_state):
+    alpha = foolsgold_weights(mine, valid, kappa=kappa)
+    total = jnp.sum(alpha)
+    weights = jnp.where(total > 0, alpha / jnp.where(total > 0, total, 1.0),
+                        0.0)
+    agg = jnp.einsum('c,cd->d', weights, clean, precision='highest')
+    update = unravel_like(agg, first_client(updates))
+    info = {'weights': weights.astype(jnp.float32),
+            'alpha': alpha.astype(jnp.float32)}
+    return update, new_state, info
 
   def aggregate(updates, mask, state, key):
     del key
@@ -123,14 +156,8 @@ def foolsgold(*, num_byzantine: int, num_clients: int | None = None,
     valid = finite_clients(flat, mask)
     clean = select_rows(flat, valid)
     history = history + clean        # invalid / masked rows add 0
-    alpha = foolsgold_weights(history, valid, kappa=kappa)
-    total = jnp.sum(alpha)
-    weights = jnp.where(total > 0, alpha / jnp.where(total > 0, total, 1.0),
-                        0.0)
-    agg = jnp.einsum('c,cd->d', weights, clean, precision='highest')
-    update = unravel_like(agg, first_client(updates))
-    info = {'weights': weights.astype(jnp.float32),
-            'alpha': alpha.astype(jnp.float32)}
-    return update, FoolsGoldState(history), info
+    return combine(updates, clean, valid, history, FoolsGoldState(history))
 
+  if by_client_id:
+    return Aggregator(init, by_id, reads=('ids',))
   return Aggregator(init, aggregate)

@@ -22,6 +22,8 @@ norms) are used by coordinatewise.py, krum.py, robust_mean.py and dnc.py.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable
 
 import jax
@@ -218,6 +220,58 @@ def weighted_mean(*, num_byzantine: int = 0,
   reads = ('weights', 'coverage') + (('staleness',) if staleness_power
                                      else ())
   return Aggregator(stateless_init, aggregate, reads=reads)
+
+
+def twafl(*, num_byzantine: int = 0, base: float = math.e / 2) -> Aggregator:
+  """TWAFL's temporally weighted aggregation (Chen, Sun and Jin 2019).
+
+  u = sum_c w_c x_c / sum_c w_c with w_c = n_c * base^-(tau_c), n_c the
+  client's example count and tau_c its staleness in rounds (the paper's
+  t - timestamp_c, base e/2). With coverage, per coordinate over its
+  owners. Assumed: the weights are normalised over the round's arrivals
+  (an asynchronous round aggregates what arrived, not all N clients).
+  """
+  check_num_byzantine('twafl', num_byzantine)
+  if not base >= 1.0:
+    raise setting('twafl', 'base', f'must be >= 1, got {base}')
+
+  def aggregate(updates, mask, state, key, *, weights, staleness,
+                coverage=None):
+    del key
+    mask = jnp.asarray(mask, bool)
+    w = weights.astype(jnp.float32) * jnp.power(
+        base, -jnp.maximum(staleness, 0).astype(jnp.float32))
+    update = covered_weighted_mean(updates, w, mask, coverage)
+    return update, state, {'weights': jnp.where(mask, w, 0.0)}
+
+  return Aggregator(stateless_init, aggregate,
+                    reads=('weights', 'staleness', 'coverage'))
+
+
+def sasgd(*, num_byzantine: int = 0) -> Aggregator:
+  """Staleness-aware async SGD (Zhang et al. 2016) on a round's arrivals.
+
+  Each update's step is divided by its staleness sigma_c = tau_c + 1 (the
+  global versions between the model it read and its application, its own
+  included; fresh updates keep lr 1): u = (1/n) sum_c x_c / sigma_c, per
+  coordinate over its owners with coverage. Unlike TWAFL the weights are
+  not renormalised, so a round of stale updates takes a shorter step.
+  """
+  check_num_byzantine('sasgd', num_byzantine)
+
+  def aggregate(updates, mask, state, key, *, staleness, coverage=None):
+    del key
+    mask = jnp.asarray(mask, bool)
+    scale = 1.0 / (1.0 + jnp.maximum(staleness, 0).astype(jnp.float32))
+    scaled = jax.tree.map(
+        lambda x: x * scale.reshape((-1,) + (1,) * (x.ndim - 1)).astype(
+            x.dtype), updates)
+    update = covered_weighted_mean(scaled, jnp.ones_like(scale), mask,
+                                   coverage)
+    return update, state, {'weights': jnp.where(mask, scale, 0.0)}
+
+  return Aggregator(stateless_init, aggregate,
+                    reads=('staleness', 'coverage'))
 
 
 FDAGG_WEIGHTINGS = ('sigmoid', 'softmax')

@@ -8,6 +8,7 @@
 |------------|-----------------------------|--------------------------------|
 | fltrust    | server_data, apply_fn       | params                         |
 | foolsgold  | num_clients (slots)         | per-slot update history        |
+| foolsgold_ids | num_clients (N, by id)   | per-client update history      |
 | rlr        | -                           | () (stateless)                 |
 | crfl       | -                           | params                         |
 | fldetector | num_clients (K, by id)      | params + per-client history    |
@@ -57,6 +58,7 @@ each rule cannot guarantee is listed in its module docstring.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from fedrobust.aggregators.base import Aggregator
@@ -72,6 +74,7 @@ from fedrobust.aggregators.sageflow import sageflow
 SERVER_AIDED: dict[str, Callable[..., Aggregator]] = {
     'fltrust': fltrust,
     'foolsgold': foolsgold,
+    'foolsgold_ids': functools.partial(foolsgold, by_client_id=True),
     'rlr': rlr,
     'crfl': crfl,
     'fldetector': fldetector,

@@ -15,13 +15,13 @@ engine pieces.
 
 So FedHAN is FedAvg's client and engine machinery with the 'fedhan' rule
 by default; `--method=fedhan --aggregator=NAME` runs another rule on the
-same width-heterogeneous, semi-asynchronous pipeline. Not built yet
-(issue 14): the rollback-and-replay recovery (Sec. 3.5.4) and the
-asynchronous / recovery baselines.
+same width-heterogeneous, semi-asynchronous pipeline. Detection triggers
+the rollback-and-replay recovery (Sec. 3.5.4) inside the same rule.
 """
 
 from __future__ import annotations
 
+from fedrobust.aggregators.fedhan import CACHE_DTYPES
 from fedrobust.methods.fedavg import fedavg_with_rule
 from fedrobust.settings import Setting
 
@@ -38,11 +38,20 @@ FEDHAN_SETTINGS = (
     Setting('min_samples', 2, "DBSCAN's core size (a point counts "
             'itself).'),
     Setting('detect', True, 'Detect and ban attackers (Sec. 3.5.3).'),
+    Setting('detect_start', 1, 'First round whose arrivals may be flagged '
+            "(the paper's detector setting: 50)."),
+    Setting('rollback', 5, 'Recovery (Sec. 3.5.4): rounds rolled back and '
+            'replayed with L-BFGS-corrected updates when attackers are '
+            'detected; 0 turns recovery off.'),
+    Setting('recovery_slots', 16, 'Kept arrivals stored per round for the '
+            'recovery replay.'),
+    Setting('cache_dtype', 'float32', 'Storage type of the per-client cache '
+            'and the recovery record.', choices=tuple(CACHE_DTYPES)),
 )
 
 
 fedhan, FEDHAN = fedavg_with_rule(
     'fedhan', 'fedhan', FEDHAN_SETTINGS,
     summary='FedHAN: semi-asynchronous, width-heterogeneous FL with a '
-    'per-client imputation cache, historical selection and DBSCAN '
-    'detection.')
+    'per-client imputation cache, historical selection, DBSCAN '
+    'detection and rollback/L-BFGS recovery.')
