@@ -292,6 +292,32 @@ class RecoveryTest(absltest.TestCase):
     np.testing.assert_allclose(moved0, -d, rtol=1e-5)
     self.assertEqual(sum(float(i['recovered']) for i in infos0), 0.0)
 
+  def test_a_second_recovery_rolls_back_through_the_first(self):
+    """Client 6 sends d until round 4 and -5 d from round 5: flagged in
+    round 5, after the recovery of round 4. The second replay still covers
+    m = 3 rounds (2-4, already replayed once) and leaves them at d, the
+    update of the benign clients that remain."""
+    n, dim = 7, 4
+    agg = get_aggregator('fedhan', num_clients=n, detect_start=4,
+                         rollback=3, recovery_slots=8, history=8)
+    d = np.array([1.0, -2.0, 0.5, 1.5], np.float32)
+    ids = jnp.arange(n, dtype=jnp.int32)
+    step = jax.jit(lambda u, st: call_aggregator(
+        agg, {'w': u}, jnp.ones(n, bool), st, jax.random.key(0), ids=ids,
+        staleness=jnp.zeros(n, jnp.int32), coverage=None))
+    state = agg.init({'w': jnp.zeros((dim,))})
+    moved, replayed = np.zeros(dim), []
+    for round_ in range(1, 7):
+      late = d if round_ < 5 else -5.0 * d
+      u = jnp.asarray(np.stack([d] * 4 + [-5.0 * d] * 2 + [late]))
+      out, state, info = step(u, state)
+      moved += np.asarray(out['w'])
+      replayed.append(float(info['replayed']))
+    self.assertEqual(replayed, [0, 0, 0, 3, 3, 0])
+    np.testing.assert_array_equal(np.asarray(state.banned),
+                                  [False] * 4 + [True] * 3)
+    np.testing.assert_allclose(moved, 6 * d, rtol=1e-5)
+
   def test_rollback_reaches_only_the_stored_rounds(self):
     # m = 2 replays rounds 2-3; round 1's poisoned -d stays.
     moved, infos, _, d = self.run_rounds(rollback=2)

@@ -42,8 +42,9 @@ convention). The round returns (what_j - w_j) + ghat_j, which moves the
 model to the replayed trajectory. No client computes anything during the
 replay (the paper's exact warm-up and periodic exact rounds, T_w and T_c,
 are 0 and never here: the following rounds are the exact ones). The
-replayed trajectory replaces the record: a later recovery cannot roll back
-past this round, and L-BFGS pairs restart.
+replayed updates replace the recorded ones, so a later recovery rolls back
+along the corrected trajectory (through earlier recoveries) and its L-BFGS
+pairs come from it.
 
 The update returned is in the engine's delta convention (client - server,
 so FedHAN's "w - eta g" is "w + server_lr * update").
@@ -98,8 +99,6 @@ class FedHANState(NamedTuple):
   banned: jax.Array          # bool[N], detected clients
   round: jax.Array           # int32[], rounds aggregated so far
   record: RecoveryRecord     # recovery storage (m = 0: empty arrays)
-  base: jax.Array            # int32[], last round whose model the record
-                             # cannot roll back past (a recovery, or 0)
 
 
 def recovery_bytes(rollback: int, slots: int, dim: int,
@@ -202,8 +201,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                        jnp.zeros((num_clients,), bool),
                        jnp.zeros((), jnp.int32),
                        _empty_record(m, recovery_slots if m else 0,
-                                     d if m else 0, dtype),
-                       jnp.zeros((), jnp.int32))
+                                     d if m else 0, dtype))
 
   def applied(state, t):
     """Update applied in round t (0 if t is not in the history)."""
@@ -211,7 +209,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     return jnp.where(ok, state.history[jnp.mod(t, history)], 0.0), ok
 
   def replay(state, banned, round_):
-    """Sec. 3.5.4: (what_j - w_j, rounds replayed, pairs' HVP function)."""
+    """Sec. 3.5.4: (what_j - w_j, rounds replayed, the pairs' HVP, the
+    replayed updates float32[m, D] of rounds j-m .. j-1 and which of them
+    were replayed)."""
     rec = state.record
     # L-BFGS pairs from the recorded trajectory: rounds t = j-m-1 .. j-2,
     # oldest first (s_t = u_t, y_t = u_t - u_{t+1}).
@@ -220,14 +220,14 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     u_next, ok_next = jax.vmap(lambda t: applied(state, t))(ts + 1)
     s_pairs, y_pairs = u, u - u_next
     sy = jnp.sum(s_pairs * y_pairs, axis=1)
-    present = ok & ok_next & (ts > state.base) & (sy > 0)
+    present = ok & ok_next & (sy > 0)
     hvp = lambda v: lbfgs_hvp(s_pairs, y_pairs, present, v)
 
     def step(r, carry):
-      delta, n = carry
+      delta, n, ghats = carry
       t = round_ - m + r
       row = jnp.mod(t, m)
-      live = (rec.round[row] == t) & (t > state.base)
+      live = rec.round[row] == t
       keep = rec.kept[row] & ~banned.at[rec.ids[row]].get(
           mode='fill', fill_value=True)
       agg = fc.weighted(rec.gbar[row], rec.weight[row],
@@ -235,11 +235,15 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       ghat = agg + alpha * rec.gtilde[row] - hvp(delta)
       u_t, _ = applied(state, t)
       return (jnp.where(live, delta + ghat - u_t, delta),
-              n + live.astype(jnp.int32))
+              n + live.astype(jnp.int32), ghats.at[r].set(ghat))
 
     delta0 = jnp.zeros(state.history.shape[1:], jnp.float32)
-    delta, n = jax.lax.fori_loop(0, m, step, (delta0, jnp.int32(0)))
-    return delta, n, hvp
+    ghats = jnp.zeros((m,) + delta0.shape, jnp.float32)
+    delta, n, ghats = jax.lax.fori_loop(0, m, step,
+                                        (delta0, jnp.int32(0), ghats))
+    ts = round_ - m + jnp.arange(m)
+    live = rec.round[jnp.mod(ts, m)] == ts
+    return delta, n, hvp, ghats, live
 
   def aggregate(updates, mask, state, key, *, ids, staleness,
                 coverage=None):
@@ -285,7 +289,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
         cache, ids, keep, estimate, round_=round_, sim_min=sim_min,
         tau_max=tau_max, alpha=alpha, beta=beta, excluded=new_banned)
     g = estimate + alpha * gtilde
-    record, base = state.record, state.base
+    record = state.record
+    hist = state.history
     recovered = jnp.bool_(False)
     shift = jnp.float32(0.0)
     replayed = jnp.int32(0)
@@ -294,12 +299,20 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       recovered = jnp.any(flagged)
 
       def recover():
-        delta, n, hvp = replay(state, new_banned, round_)
-        return delta + g - hvp(delta), n, jnp.linalg.norm(delta)
+        delta, n, hvp, ghats, live = replay(state, new_banned, round_)
+        ghat = g - hvp(delta)
+        # The replayed trajectory becomes the record: rounds j-m .. j-1
+        # applied ghat_t, and this round applies ghat_j from what_j.
+        rows = jnp.where(live, jnp.mod(round_ - m + jnp.arange(m), history),
+                         history)
+        new_hist = hist.at[rows].set(ghats, mode='drop')
+        return (delta + ghat, n, jnp.linalg.norm(delta),
+                new_hist.at[jnp.mod(round_, history)].set(ghat))
 
-      out, replayed, shift = jax.lax.cond(
+      out, replayed, shift, hist = jax.lax.cond(
           recovered, recover,
-          lambda: (g, jnp.int32(0), jnp.float32(0.0)))
+          lambda: (g, jnp.int32(0), jnp.float32(0.0),
+                   hist.at[jnp.mod(round_, history)].set(g)))
       order, kept = _compact(keep, recovery_slots)
       row = jnp.mod(round_, m)
       p = weight_rows * jnp.where(mask_rows, 1.0, alpha)
@@ -309,18 +322,14 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
           weight=put(record.weight, p[order]),
           ids=put(record.ids, ids[order]), kept=put(record.kept, kept),
           gtilde=put(record.gtilde, gtilde),
-          round=jnp.where(recovered, 0, record.round).at[row].set(round_))
-      # After a recovery the record before this round is gone, and this
-      # round's model is the new base.
-      base = jnp.where(recovered, round_, base)
+          round=record.round.at[row].set(round_))
       overflow = jnp.maximum(jnp.sum(keep) - recovery_slots,
                              0).astype(jnp.float32)
     else:
       out = g
-    new_state = FedHANState(
-        cache=cache,
-        history=state.history.at[jnp.mod(round_, history)].set(g),
-        banned=new_banned, round=round_, record=record, base=base)
+      hist = hist.at[jnp.mod(round_, history)].set(g)
+    new_state = FedHANState(cache=cache, history=hist, banned=new_banned,
+                            round=round_, record=record)
     n_keep = jnp.maximum(jnp.sum(keep.astype(jnp.float32)), 1.0)
     info = {'weights': jnp.where(keep, 1.0 / n_keep, 0.0).astype(jnp.float32),
             'suspicion': scores.astype(jnp.float32),
