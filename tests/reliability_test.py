@@ -376,7 +376,7 @@ RULES = sorted(name for name in aggregators.AGGREGATORS
                if name not in aggregators.SERVER_DATA_RULES + ('rfa',
                                                                'fdagg'))
 BAD = ('nan', 'inf', '1e38')
-NON_ROBUST = ('mean', 'weighted_mean')
+NON_ROBUST = ('mean', 'weighted_mean', 'twafl', 'sasgd')
 C = 7      # Bulyan with f = 1 needs n >= 4f + 3
 
 

@@ -317,10 +317,14 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       row = jnp.mod(round_, m)
       p = weight_rows * jnp.where(mask_rows, 1.0, alpha)
       put = lambda a, v: a.at[row].set(fc.encode(v, a.dtype))
+      # Rows past the kept arrivals are zero (a masked slot changes
+      # nothing, not even the record).
+      mine = lambda a: jnp.where(kept.reshape((-1,) + (1,) * (a.ndim - 1)),
+                                 a[order], 0)
       record = RecoveryRecord(
-          gbar=put(record.gbar, gbar_rows[order]),
-          weight=put(record.weight, p[order]),
-          ids=put(record.ids, ids[order]), kept=put(record.kept, kept),
+          gbar=put(record.gbar, mine(gbar_rows)),
+          weight=put(record.weight, mine(p)),
+          ids=put(record.ids, mine(ids)), kept=put(record.kept, kept),
           gtilde=put(record.gtilde, gtilde),
           round=record.round.at[row].set(round_))
       overflow = jnp.maximum(jnp.sum(keep) - recovery_slots,
