@@ -274,6 +274,14 @@ class EndToEndTest(IdxDataTestCase):
       self.assertIn('suspicion', row['clients'])
       self.assertTrue(np.isfinite(row['test_accuracy']))
 
+  def test_fedhan_without_recovery_checkpoints(self):
+    # --fedhan_rollback=0 keeps no recovery record; a zero-size one made
+    # orbax refuse the first checkpoint.
+    summary = train.run(base_config(
+        self.data_dir, self.create_tempdir().full_path, method='fedhan',
+        fedhan_rollback=0, clients_per_round=0, num_rounds=2))
+    self.assertEqual(summary['rounds_completed'], 2)
+
   def test_sdfc_composes_with_a_robust_rule(self):
     summary = train.run(base_config(
         self.data_dir, self.create_tempdir().full_path, method='sdfc',

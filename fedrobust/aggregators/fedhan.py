@@ -98,7 +98,8 @@ class FedHANState(NamedTuple):
                              # row t mod H
   banned: jax.Array          # bool[N], detected clients
   round: jax.Array           # int32[], rounds aggregated so far
-  record: RecoveryRecord     # recovery storage (m = 0: empty arrays)
+  record: RecoveryRecord | None  # recovery storage (None: no recovery;
+                                 # zero-size arrays cannot be checkpointed)
 
 
 def recovery_bytes(rollback: int, slots: int, dim: int,
@@ -200,8 +201,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                        jnp.zeros((history, d), jnp.float32),
                        jnp.zeros((num_clients,), bool),
                        jnp.zeros((), jnp.int32),
-                       _empty_record(m, recovery_slots if m else 0,
-                                     d if m else 0, dtype))
+                       _empty_record(m, recovery_slots, d, dtype) if m
+                       else None)
 
   def applied(state, t):
     """Update applied in round t (0 if t is not in the history)."""
