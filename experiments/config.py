@@ -118,6 +118,9 @@ CORE: tuple[Setting, ...] = (
     S('malicious_fraction', 0.0, 'Share of clients that are malicious.'),
     S('resample_malicious', False, 'Draw the malicious set afresh every '
       'round instead of fixing it.'),
+    S('exclude_malicious', False, 'The malicious clients never take part: '
+      'the Retrain baseline of recovery (training from scratch without '
+      'the attackers, same data split and schedule).'),
     S('attack_start_round', 1, 'First round attackers act (Horus: 20).'),
     S('attacker_knowledge', 'benign_stats', 'What model-poisoning attackers '
       'may read.', choices=('benign_stats', 'own_updates_only')),

@@ -71,6 +71,12 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                      f'(it gives {num_malicious} of {k} clients)')
   if attack == 'none' and num_malicious:
     raise ValueError('--malicious_fraction > 0 needs an --attack')
+  if config['exclude_malicious'] and config['resample_malicious']:
+    raise ValueError('--exclude_malicious needs a fixed malicious set; '
+                     'drop --resample_malicious')
+  if config['exclude_malicious'] and attack == 'none':
+    raise ValueError('--exclude_malicious needs --attack and '
+                     '--malicious_fraction to say who the attackers are')
   if config['attack_start_round'] < 1:
     raise ValueError('--attack_start_round must be >= 1')
   # f, the number of Byzantine clients an aggregator is told to tolerate:
@@ -177,5 +183,6 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
       malicious = jnp.zeros(k, bool).at[chosen].set(True)
     threat = Threat(malicious=malicious, num_malicious=num_malicious,
                     start_round=config['attack_start_round'],
-                    model_attack=model_attack)
+                    model_attack=model_attack,
+                    absent=config['exclude_malicious'])
   return ThreatSetup(threat, poison, aggregator, triggered, num_malicious, f)

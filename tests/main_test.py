@@ -282,6 +282,29 @@ class EndToEndTest(IdxDataTestCase):
         fedhan_rollback=0, clients_per_round=0, num_rounds=2))
     self.assertEqual(summary['rounds_completed'], 2)
 
+  def test_exclude_malicious_retrains_without_them(self):
+    """--exclude_malicious (the Retrain baseline): the fixed malicious set
+    never arrives; everyone else does."""
+    workdir = self.create_tempdir().full_path
+    config = base_config(self.data_dir, workdir, attack='label_flip',
+                         malicious_fraction=0.25, clients_per_round=0,
+                         exclude_malicious=True, num_rounds=2)
+    train.run(config)
+    bad = set(np.random.default_rng(config['seed'] + 7).choice(
+        4, 1, replace=False).tolist())
+    with open(os.path.join(workdir, 'rounds.jsonl')) as f:
+      for line in f:
+        row = json.loads(line)
+        self.assertEqual(set(row['clients']['id']), {0, 1, 2, 3} - bad)
+        self.assertEqual(row['num_attacking'], 0.0)
+    for bad_flags, pattern in ((dict(attack='none', malicious_fraction=0.0),
+                                '--exclude_malicious needs --attack'),
+                               (dict(resample_malicious=True),
+                                'fixed malicious set')):
+      with self.assertRaisesRegex(ValueError, pattern):
+        train.run(dict(config, workdir=self.create_tempdir().full_path,
+                       **bad_flags))
+
   def test_sdfc_composes_with_a_robust_rule(self):
     summary = train.run(base_config(
         self.data_dir, self.create_tempdir().full_path, method='sdfc',

@@ -51,6 +51,9 @@ class Threat(NamedTuple):
   model_attack: optional apply(updates float[C, D], is_malicious bool[C],
     mask bool[C], key) -> float[C, D] on the raveled client deltas (per
     cohort: attackers craft within their own architecture).
+  absent: the malicious clients never take part (their slots are masked
+    every round): the "Retrain" baseline of recovery papers, training
+    without the attackers. Needs a fixed `malicious` set.
   Data poisoning is the method's business: client_update sees
   LocalData.is_malicious and LocalData.attacker_rank.
   """
@@ -58,6 +61,7 @@ class Threat(NamedTuple):
   num_malicious: int = 0
   start_round: int = 1
   model_attack: Callable | None = None
+  absent: bool = False
 
 
 class CohortSlots(NamedTuple):
@@ -417,7 +421,9 @@ def make_round_step(method: Method, config: RoundConfig, *,
                                 config.padded(slots.clients_per_round))
       if delay is not None:
         mask = mask & (busy_until[ids] < now)   # busy clients are away
-      if threat is None:
+      if threat is not None and threat.absent:
+        mask = mask & ~threat.malicious[ids]    # attackers never take part
+      if threat is None or threat.absent:
         is_mal = jnp.zeros(ids.shape, bool)
         rank = jnp.zeros(ids.shape, jnp.int32)
       else:
