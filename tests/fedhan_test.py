@@ -10,6 +10,7 @@ import numpy as np
 from fedrobust.aggregators import call_aggregator, clustering, get_aggregator
 from fedrobust.aggregators.fldetector import lbfgs_hvp
 from fedrobust.aggregators import fedhan_cache as fc
+from fedrobust.aggregators.fedhan import safe_step
 
 BETA, ALPHA = 0.5, 0.2
 
@@ -331,6 +332,20 @@ class RecoveryTest(absltest.TestCase):
     self.assertEqual(state.cache.gbar.nbytes, 6 * 4 * 2)
     np.testing.assert_allclose(fc.decode(state.cache.gbar)[0], d, rtol=1e-2)
     np.testing.assert_allclose(moved, 5 * d, rtol=2e-2)
+
+  def test_correction_never_moves_the_replay_further_away(self):
+    rng = np.random.default_rng(4)
+    for _ in range(50):
+      delta = rng.normal(size=8).astype(np.float32)
+      hv = (rng.normal(size=8) * rng.choice([0.1, 1, 10])).astype(np.float32)
+      got = np.asarray(safe_step(jnp.asarray(delta), jnp.asarray(hv)))
+      self.assertLessEqual(np.linalg.norm(delta - got),
+                           np.linalg.norm(delta) * (1 + 1e-5))
+    # A contracting estimate passes unchanged; an expanding one is scaled.
+    delta = jnp.ones(4)
+    np.testing.assert_allclose(safe_step(delta, 0.5 * delta), 0.5 * delta)
+    np.testing.assert_allclose(safe_step(delta, 5.0 * delta), 2.0 * delta)
+    np.testing.assert_allclose(safe_step(delta, -delta), 0.0 * delta)
 
   def test_settings_are_checked(self):
     for kwargs, name in ((dict(rollback=4, history=5), 'history'),

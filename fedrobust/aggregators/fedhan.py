@@ -117,6 +117,22 @@ def _empty_record(m: int, s: int, d: int, dtype) -> RecoveryRecord:
                         jnp.zeros((m,), jnp.int32))
 
 
+def safe_step(delta: jax.Array, hv: jax.Array) -> jax.Array:
+  """The Eq. 10 correction H delta, scaled so that it never moves the
+  replayed model further from the recorded one: ||delta - c hv|| <=
+  ||delta|| iff 2 c delta.hv >= c^2 ||hv||^2, so c = min(1, 2 delta.hv /
+  ||hv||^2), and 0 when delta.hv <= 0. Exact dynamics have this property
+  (gradient steps from two points of an L-smooth convex loss, lr < 2/L, do
+  not move them apart); an L-BFGS estimate from noisy pairs does not, and
+  compounded over replayed rounds and repeated recoveries it diverged
+  (BUILD_NOTES §3d)."""
+  dot = jnp.vdot(delta, hv)
+  nn = jnp.vdot(hv, hv)
+  c = jnp.where((dot > 0) & (nn > 0),
+                jnp.minimum(1.0, 2.0 * dot / jnp.where(nn > 0, nn, 1.0)), 0.0)
+  return c * hv
+
+
 def _compact(keep: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
   """`size` slot indices, the kept slots first, and whether each is kept
   (padded with unkept slot 0 when there are fewer slots than `size`)."""
@@ -222,7 +238,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     s_pairs, y_pairs = u, u - u_next
     sy = jnp.sum(s_pairs * y_pairs, axis=1)
     present = ok & ok_next & (sy > 0)
-    hvp = lambda v: lbfgs_hvp(s_pairs, y_pairs, present, v)
+    hvp = lambda v: safe_step(v, lbfgs_hvp(s_pairs, y_pairs, present, v))
 
     def step(r, carry):
       delta, n, ghats = carry
