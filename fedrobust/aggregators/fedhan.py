@@ -42,9 +42,9 @@ convention). The round returns (what_j - w_j) + ghat_j, which moves the
 model to the replayed trajectory. No client computes anything during the
 replay (the paper's exact warm-up and periodic exact rounds, T_w and T_c,
 are 0 and never here: the following rounds are the exact ones). The
-replayed updates replace the recorded ones, so a later recovery rolls back
-along the corrected trajectory (through earlier recoveries) and its L-BFGS
-pairs come from it.
+correction is scaled so it never moves the replay away from the recorded
+model (`safe_step`). After a recovery the record before it is dropped: a
+later recovery replays only the rounds since, and its L-BFGS pairs too.
 
 The update returned is in the engine's delta convention (client - server,
 so FedHAN's "w - eta g" is "w + server_lr * update").
@@ -100,6 +100,8 @@ class FedHANState(NamedTuple):
   round: jax.Array           # int32[], rounds aggregated so far
   record: RecoveryRecord | None  # recovery storage (None: no recovery;
                                  # zero-size arrays cannot be checkpointed)
+  base: jax.Array            # int32[], last round whose model a recovery
+                             # cannot roll back past (a recovery, or 0)
 
 
 def recovery_bytes(rollback: int, slots: int, dim: int,
@@ -218,7 +220,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                        jnp.zeros((num_clients,), bool),
                        jnp.zeros((), jnp.int32),
                        _empty_record(m, recovery_slots, d, dtype) if m
-                       else None)
+                       else None, jnp.zeros((), jnp.int32))
 
   def applied(state, t):
     """Update applied in round t (0 if t is not in the history)."""
@@ -226,9 +228,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     return jnp.where(ok, state.history[jnp.mod(t, history)], 0.0), ok
 
   def replay(state, banned, round_):
-    """Sec. 3.5.4: (what_j - w_j, rounds replayed, the pairs' HVP, the
-    replayed updates float32[m, D] of rounds j-m .. j-1 and which of them
-    were replayed)."""
+    """Sec. 3.5.4: (what_j - w_j, rounds replayed, the pairs' HVP)."""
     rec = state.record
     # L-BFGS pairs from the recorded trajectory: rounds t = j-m-1 .. j-2,
     # oldest first (s_t = u_t, y_t = u_t - u_{t+1}).
@@ -237,14 +237,14 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     u_next, ok_next = jax.vmap(lambda t: applied(state, t))(ts + 1)
     s_pairs, y_pairs = u, u - u_next
     sy = jnp.sum(s_pairs * y_pairs, axis=1)
-    present = ok & ok_next & (sy > 0)
+    present = ok & ok_next & (ts > state.base) & (sy > 0)
     hvp = lambda v: safe_step(v, lbfgs_hvp(s_pairs, y_pairs, present, v))
 
     def step(r, carry):
-      delta, n, ghats = carry
+      delta, n = carry
       t = round_ - m + r
       row = jnp.mod(t, m)
-      live = rec.round[row] == t
+      live = (rec.round[row] == t) & (t > state.base)
       keep = rec.kept[row] & ~banned.at[rec.ids[row]].get(
           mode='fill', fill_value=True)
       agg = fc.weighted(rec.gbar[row], rec.weight[row],
@@ -252,15 +252,11 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       ghat = agg + alpha * rec.gtilde[row] - hvp(delta)
       u_t, _ = applied(state, t)
       return (jnp.where(live, delta + ghat - u_t, delta),
-              n + live.astype(jnp.int32), ghats.at[r].set(ghat))
+              n + live.astype(jnp.int32))
 
     delta0 = jnp.zeros(state.history.shape[1:], jnp.float32)
-    ghats = jnp.zeros((m,) + delta0.shape, jnp.float32)
-    delta, n, ghats = jax.lax.fori_loop(0, m, step,
-                                        (delta0, jnp.int32(0), ghats))
-    ts = round_ - m + jnp.arange(m)
-    live = rec.round[jnp.mod(ts, m)] == ts
-    return delta, n, hvp, ghats, live
+    delta, n = jax.lax.fori_loop(0, m, step, (delta0, jnp.int32(0)))
+    return delta, n, hvp
 
   def aggregate(updates, mask, state, key, *, ids, staleness,
                 coverage=None):
@@ -306,7 +302,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
         cache, ids, keep, estimate, round_=round_, sim_min=sim_min,
         tau_max=tau_max, alpha=alpha, beta=beta, excluded=new_banned)
     g = estimate + alpha * gtilde
-    record = state.record
+    record, base = state.record, state.base
     hist = state.history
     recovered = jnp.bool_(False)
     shift = jnp.float32(0.0)
@@ -316,15 +312,10 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       recovered = jnp.any(flagged)
 
       def recover():
-        delta, n, hvp, ghats, live = replay(state, new_banned, round_)
+        delta, n, hvp = replay(state, new_banned, round_)
         ghat = g - hvp(delta)
-        # The replayed trajectory becomes the record: rounds j-m .. j-1
-        # applied ghat_t, and this round applies ghat_j from what_j.
-        rows = jnp.where(live, jnp.mod(round_ - m + jnp.arange(m), history),
-                         history)
-        new_hist = hist.at[rows].set(ghats, mode='drop')
         return (delta + ghat, n, jnp.linalg.norm(delta),
-                new_hist.at[jnp.mod(round_, history)].set(ghat))
+                hist.at[jnp.mod(round_, history)].set(ghat))
 
       out, replayed, shift, hist = jax.lax.cond(
           recovered, recover,
@@ -343,14 +334,19 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
           weight=put(record.weight, mine(p)),
           ids=put(record.ids, mine(ids)), kept=put(record.kept, kept),
           gtilde=put(record.gtilde, gtilde),
-          round=record.round.at[row].set(round_))
+          round=jnp.where(recovered, 0, record.round).at[row].set(round_))
+      # After a recovery the record before this round is dropped and this
+      # round's model is the new base: a later recovery replays only the
+      # rounds since (letting it replay through earlier replays diverged,
+      # BUILD_NOTES §3d).
+      base = jnp.where(recovered, round_, base)
       overflow = jnp.maximum(jnp.sum(keep) - recovery_slots,
                              0).astype(jnp.float32)
     else:
       out = g
       hist = hist.at[jnp.mod(round_, history)].set(g)
     new_state = FedHANState(cache=cache, history=hist, banned=new_banned,
-                            round=round_, record=record)
+                            round=round_, record=record, base=base)
     n_keep = jnp.maximum(jnp.sum(keep.astype(jnp.float32)), 1.0)
     info = {'weights': jnp.where(keep, 1.0 / n_keep, 0.0).astype(jnp.float32),
             'suspicion': scores.astype(jnp.float32),
