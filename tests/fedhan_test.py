@@ -10,7 +10,7 @@ import numpy as np
 from fedrobust.aggregators import call_aggregator, clustering, get_aggregator
 from fedrobust.aggregators.fldetector import lbfgs_hvp
 from fedrobust.aggregators import fedhan_cache as fc
-from fedrobust.aggregators.fedhan import safe_step
+from fedrobust.aggregators.fedhan import recovery_bytes, safe_step
 
 BETA, ALPHA = 0.5, 0.2
 
@@ -346,6 +346,19 @@ class RecoveryTest(absltest.TestCase):
     np.testing.assert_allclose(safe_step(delta, 0.5 * delta), 0.5 * delta)
     np.testing.assert_allclose(safe_step(delta, 5.0 * delta), 2.0 * delta)
     np.testing.assert_allclose(safe_step(delta, -delta), 0.0 * delta)
+
+  def test_size_formulas_match_the_state(self):
+    # cache_bytes / recovery_bytes plan memory (N = 1000, BUILD_NOTES §3d)
+    # without building the state; they must count what init builds.
+    for dtype in ('float32', 'bfloat16'):
+      agg = get_aggregator('fedhan', num_clients=5, rollback=3,
+                           recovery_slots=4, cache_dtype=dtype)
+      state = agg.init({'w': jnp.zeros((7,))})
+      nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
+      self.assertEqual(nbytes(state.cache),
+                       fc.cache_bytes(5, 7, jnp.dtype(dtype)))
+      self.assertEqual(nbytes(state.record),
+                       recovery_bytes(3, 4, 7, jnp.dtype(dtype)))
 
   def test_settings_are_checked(self):
     for kwargs, name in ((dict(rollback=4, history=5), 'history'),

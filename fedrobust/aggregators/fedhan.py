@@ -334,11 +334,11 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
           weight=put(record.weight, mine(p)),
           ids=put(record.ids, mine(ids)), kept=put(record.kept, kept),
           gtilde=put(record.gtilde, gtilde),
-          round=jnp.where(recovered, 0, record.round).at[row].set(round_))
-      # After a recovery the record before this round is dropped and this
-      # round's model is the new base: a later recovery replays only the
-      # rounds since (letting it replay through earlier replays diverged,
-      # BUILD_NOTES §3d).
+          round=record.round.at[row].set(round_))
+      # After a recovery this round's model is the new base: a later
+      # recovery replays, and takes L-BFGS pairs from, only the rounds
+      # after it (`t > base` in `replay`; letting it replay through earlier
+      # replays diverged, BUILD_NOTES §3d).
       base = jnp.where(recovered, round_, base)
       overflow = jnp.maximum(jnp.sum(keep) - recovery_slots,
                              0).astype(jnp.float32)
