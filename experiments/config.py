@@ -95,6 +95,11 @@ CORE: tuple[Setting, ...] = (
     S('client_delay', 'none', 'Semi-asynchronous rounds: none, uniform:MAX '
       'or exponential:MEAN[:MAX] rounds of delay per update (' +
       '|'.join(DELAY_KINDS) + ').'),
+    S('max_arrivals', 0, 'With --client_delay: the server takes at most '
+      'this many of the updates due in a round (per cohort), oldest first; '
+      'the rest wait a round longer. The aggregator then works on these '
+      'rows only instead of the whole in-flight buffer (faster when the '
+      'buffer is large). 0: every due update. At least clients_per_round.'),
     # Local and server optimisation.
     S('num_rounds', 20, 'Communication rounds.'),
     S('local_epochs', 1, 'Local epochs per round.'),

@@ -521,7 +521,7 @@ def build(config: dict[str, Any]) -> Program:
       chunk_size=chunk_size, num_devices=num_devices if mesh else 1,
       cohorts=tuple(CohortSlots(c.members, c.clients_per_round)
                     for c in cohorts) if len(cohorts) > 1 else (),
-      delay=delay)
+      delay=delay, max_arrivals=config['max_arrivals'])
   resolved = {'client_execution': strategy, 'chunk_size': chunk_size,
               'conv_impl': conv_impl, 'compute_dtype': compute_dtype,
               'num_devices': num_devices, 'backend': backend,
@@ -563,15 +563,22 @@ class Evaluator:
                                                  c.model.apply))
                        for c in self.cohorts]
 
-    def each(apply, params, test, local):
-      """Per client k: its model on the global test and on its local test."""
-      def one(args):
-        p, lx, ly, lm = args
-        return evaluate(apply, p, *test), evaluate(apply, p, lx, ly, lm)
-      return jax.lax.map(one, (params, *local))
+    def rows(apply, params, x, y, mask):
+      """Each row of a stacked model set on one data set."""
+      return jax.lax.map(lambda p: evaluate(apply, p, x, y, mask), params)
 
-    self.each_fns = [jax.jit(functools.partial(each, c.model.apply))
+    def own(apply, params, index, local):
+      """Per client k: row index[k] of the model set on its local test."""
+      def one(args):
+        k, lx, ly, lm = args
+        p = jax.tree.map(lambda leaf: leaf[k], params)
+        return evaluate(apply, p, lx, ly, lm)
+      return jax.lax.map(one, (index, *local))
+
+    self.rows_fns = [jax.jit(functools.partial(rows, c.model.apply))
                      for c in self.cohorts]
+    self.own_fns = [jax.jit(functools.partial(own, c.model.apply))
+                    for c in self.cohorts]
     self.triggered = None
     if program.threat.triggered_test is not None:
       self.triggered = put(tuple(map(jnp.asarray, pad_to_batches(
@@ -629,20 +636,27 @@ class Evaluator:
 
 
   def _per_client(self, m) -> dict[str, Any]:
-    global_m, local_m = jax.device_get(self.each_fns[m.cohort](
-        m.params, self.test, self.local_tests[m.cohort]))
-    has = np.asarray(local_m['count']) > 0
+    """A model per client: mean over clients of their own model's global
+    accuracy (and ASR), and of its accuracy on their own local test. With
+    `m.index` clients share rows (one submodel per width), so each
+    distinct model is evaluated on the global sets once."""
     members = list(self.cohorts[m.cohort].members)
-    values = {'test_accuracy': float(np.mean(global_m['accuracy'])),
-              'test_loss': float(np.mean(global_m['loss'])),
+    index = (np.arange(len(members), dtype=np.int32) if m.index is None
+             else np.asarray(m.index, np.int32))
+    rows_fn = self.rows_fns[m.cohort]
+    global_m = jax.device_get(rows_fn(m.params, *self.test))
+    local_m = jax.device_get(self.own_fns[m.cohort](
+        m.params, jnp.asarray(index), self.local_tests[m.cohort]))
+    has = np.asarray(local_m['count']) > 0
+    values = {'test_accuracy': float(np.mean(global_m['accuracy'][index])),
+              'test_loss': float(np.mean(global_m['loss'][index])),
               'local_accuracy': (float(np.mean(local_m['accuracy'][has]))
                                  if has.any() else None),
               '_own': {i: float(a) for i, a, ok in zip(
                   members, np.asarray(local_m['accuracy']), has) if ok}}
     if self.triggered is not None:
-      asr = float(np.mean([float(self.eval_fns[m.cohort](
-          jax.tree.map(lambda leaf, k=k: leaf[k], m.params),
-          *self.triggered)['accuracy']) for k in range(len(members))]))
+      asr = float(np.mean(np.asarray(jax.device_get(
+          rows_fn(m.params, *self.triggered))['accuracy'])[index]))
       values.update(attack_success_rate=asr, backdoor_failure_rate=1 - asr,
                     tradeoff_v=(values['test_accuracy'] + 1 - asr) / 2)
     return values

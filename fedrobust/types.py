@@ -116,8 +116,12 @@ class EvalModel(NamedTuple):
   cohort: int      # whose architecture (Model) evaluates it
   params: Params   # full params for that cohort's Model.apply
   clients: tuple[int, ...] | None = None
-  per_client: bool = False   # params has a leading axis, one model per
-                             # client of `clients` (private backbones)
+  per_client: bool = False   # params has a leading axis of models, one
+                             # per client of `clients` (private backbones)
+                             # or, with `index`, one per distinct model
+  index: Any = None   # with per_client: int[len(clients)], the row of
+                      # params that client k of `clients` uses (width
+                      # submodels: clients of one width share a row)
 
 
 class Method(NamedTuple):

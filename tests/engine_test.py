@@ -382,12 +382,14 @@ class DelayTest(parameterized.TestCase):
                                  delay.DelayModel('exponential', 2.0, 3))
     self.assertEqual(int(capped.max()), 3)
 
-  def _run(self, delay, rounds):
+  def _run(self, delay, rounds, max_arrivals=0, clients_per_round=4):
     model = linear_model()
     data = toy_data([5, 9, 2, 7, 4, 6], 9, seed=3)
     method = fedavg_method(model, batch_size=4, epochs=1, n_max=9)
-    config = engine.RoundConfig(num_clients=6, clients_per_round=4,
-                                strategy='vmap', delay=delay)
+    config = engine.RoundConfig(num_clients=6,
+                                clients_per_round=clients_per_round,
+                                strategy='vmap', delay=delay,
+                                max_arrivals=max_arrivals)
     state = engine.init_server_state(method, model.init(jax.random.key(0)),
                                      6, seed=1, config=config, data=data)
     step = jax.jit(engine.make_round_step(method, config))
@@ -410,6 +412,61 @@ class DelayTest(parameterized.TestCase):
     self.assertLess(min(float(m['clients_trained']) for m in history), 4.0)
     busy = np.asarray(state.pending.busy_until)
     self.assertTrue(np.all(busy <= 7 + 2))
+
+  def test_take_oldest_defers_the_newest_due_updates(self):
+    from fedrobust.engine import delay  # pylint: disable=g-import-not-at-top
+    buf = delay.empty_buffer(
+        {'u': jax.ShapeDtypeStruct((2,), jnp.float32)}, 3,
+        delay.DelayModel('uniform', 1.0, 2))
+    buf = buf._replace(
+        ids=jnp.arange(9, dtype=jnp.int32) + 10,
+        computed_round=jnp.array([3, 3, 3, 4, 4, 4, 5, 5, 5], jnp.int32),
+        arrival_round=jnp.array([5, 5, 6, 5, 9, 5, 5, 5, 5], jnp.int32),
+        valid=jnp.array([1, 0, 1, 1, 1, 1, 1, 1, 0], bool))
+    rows, taken, stale, late, rest = delay.take_oldest(buf, jnp.int32(5), 3)
+    # Due now: rows 0 (computed 3), 3, 5 (computed 4), 6, 7 (computed 5).
+    np.testing.assert_array_equal(rows, [0, 3, 5])
+    np.testing.assert_array_equal(taken, [True] * 3)
+    np.testing.assert_array_equal(stale, [2, 1, 1])
+    np.testing.assert_array_equal(np.flatnonzero(late), [6, 7])
+    np.testing.assert_array_equal(rest.valid,
+                                  [0, 0, 1, 0, 1, 0, 1, 1, 0])
+    np.testing.assert_array_equal(np.asarray(rest.arrival_round)[[6, 7]],
+                                  [6, 6])
+    # Fewer due than the cap: the tail rows are masked.
+    rows, taken, _, late, _ = delay.take_oldest(rest, jnp.int32(6), 3)
+    np.testing.assert_array_equal(np.asarray(rows)[np.asarray(taken)],
+                                  [2, 6, 7])
+    self.assertFalse(late.any())
+    rows, taken, _, _, _ = delay.take_oldest(rest, jnp.int32(7), 3)
+    self.assertFalse(taken.any())
+
+  def test_max_arrivals_caps_the_rows_and_loses_nothing(self):
+    model = engine.DelayModel('uniform', 1.5, 3)
+    run = functools.partial(self._run, model, 10, clients_per_round=2)
+    full, full_hist = run()
+    # A cap as large as the buffer only reorders the rows.
+    same, _ = run(max_arrivals=8)
+    chex.assert_trees_all_close(same.params, full.params, rtol=1e-5,
+                                atol=1e-6)
+    capped, history = run(max_arrivals=2)
+    self.assertGreater(max(float(m['arrivals']) for m in full_hist), 2)
+    self.assertLessEqual(max(float(m['arrivals']) for m in history), 2)
+    self.assertGreater(sum(float(m['arrivals_deferred']) for m in history),
+                       0)
+    trained = sum(float(m['clients_trained']) for m in history)
+    arrived = sum(float(m['arrivals']) for m in history)
+    in_flight = int(jnp.sum(capped.pending.buffers[0].valid))
+    self.assertEqual(trained, arrived + in_flight)
+    # Deferral can push staleness past the delay cap.
+    self.assertGreaterEqual(max(float(m['staleness_max']) for m in history),
+                            3.0)
+    with self.assertRaises(SettingError) as ctx:
+      self._run(model, 1, max_arrivals=3)   # below C = 4
+    self.assertEqual(ctx.exception.argument, 'max_arrivals')
+    with self.assertRaises(SettingError) as ctx:
+      self._run(None, 1, max_arrivals=4)
+    self.assertEqual(ctx.exception.argument, 'max_arrivals')
 
   def test_zero_delays_equal_the_synchronous_round(self):
     sync, _ = self._run(None, 3)

@@ -15,6 +15,14 @@ update has arrived. d is drawn per (client, round) from the user's choice:
 The cap bounds the in-flight buffer: a cohort holds (MAX + 1) * C_j
 pending updates (engine.round). A client's delay depends on its id and the
 round only, never on its slot.
+
+By default the server takes every update due in a round, so the
+aggregator sees all (MAX + 1) * C_j buffer rows, most of them masked. With
+`max_arrivals` A (RoundConfig) it takes at most A of them, oldest computed
+first, and hands the aggregator only those A rows; the rest wait a round
+longer (their client stays busy) and arrive staler. A >= C_j keeps the ring
+safe: the entries computed R - 1 rounds ago are the oldest pending ones,
+at most C_j, so they are always taken before their ring row is reused.
 """
 
 from __future__ import annotations
@@ -125,6 +133,31 @@ def enqueue(buffer, now: jax.Array, outputs, ids: jax.Array,
                          jnp.broadcast_to(now, (c,))),
       arrival_round=put(buffer.arrival_round, now + delays),
       valid=put(buffer.valid, mask))
+
+
+def take_oldest(buffer, now: jax.Array, count: int):
+  """The server takes at most `count` of the updates due now.
+
+  Due rows are taken oldest computed first (ties in slot order); due rows
+  beyond `count` stay in flight with arrival_round now + 1.
+
+  Returns:
+    (rows int32[min(count, P)]: the buffer rows taken, in order;
+     taken bool[...]: which of them are real arrivals;
+     staleness int32[...] of those rows;
+     deferred bool[P]: rows due now that wait a round;
+     the buffer without the taken rows).
+  """
+  due = buffer.valid & (buffer.arrival_round == now)
+  key = jnp.where(due, buffer.computed_round, jnp.iinfo(jnp.int32).max)
+  rows = jnp.argsort(key, stable=True)[:count].astype(jnp.int32)
+  taken = due[rows]
+  picked = jnp.zeros(due.shape, bool).at[rows].set(taken)
+  deferred = due & ~picked
+  staleness = jnp.where(taken, now - buffer.computed_round[rows], 0)
+  return rows, taken, staleness, deferred, buffer._replace(
+      valid=buffer.valid & ~picked,
+      arrival_round=jnp.where(deferred, now + 1, buffer.arrival_round))
 
 
 def dequeue(buffer, now: jax.Array):

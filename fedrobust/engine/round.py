@@ -77,6 +77,9 @@ class RoundConfig(NamedTuple):
     otherwise one CohortSlots per cohort, members partitioning range(K) and
     clients_per_round summing to C.
   delay: engine.delay.DelayModel for semi-asynchronous rounds, or None.
+  max_arrivals: with a delay, the server takes at most this many of the
+    updates due in a round per cohort, oldest first, and the aggregator
+    sees only those rows (0: every due update, all the buffer's rows).
   """
   num_clients: int          # K
   clients_per_round: int    # C
@@ -85,6 +88,7 @@ class RoundConfig(NamedTuple):
   num_devices: int = 1      # each cohort's slots are padded to a multiple
   cohorts: tuple[CohortSlots, ...] = ()
   delay: delay_lib.DelayModel | None = None
+  max_arrivals: int = 0
 
   def cohort_slots(self) -> tuple[CohortSlots, ...]:
     if self.cohorts:
@@ -123,6 +127,19 @@ def validate_round_config(config: RoundConfig) -> None:
   if sum(s.clients_per_round for s in slots) != config.clients_per_round:
     raise SettingError('cohorts', 'per-cohort clients per round must sum '
                        f'to clients_per_round={config.clients_per_round}')
+  if config.max_arrivals < 0:
+    raise SettingError('max_arrivals', f'must be >= 0, got '
+                       f'{config.max_arrivals}')
+  if config.max_arrivals:
+    if config.delay is None:
+      raise SettingError('max_arrivals', 'caps the updates taken per round '
+                         'from the in-flight buffer; it needs client_delay')
+    largest = max(s.clients_per_round for s in slots)
+    if config.max_arrivals < largest:
+      raise SettingError(
+          'max_arrivals', f'{config.max_arrivals} is below the '
+          f'{largest} clients a cohort samples per round; the server must '
+          'take at least that many so no update is overwritten in flight')
 
 
 def sample_cohort(key: jax.Array, slots: CohortSlots, num_slots: int
@@ -416,6 +433,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
     arrivals, arrival_mal, buffers = [], [], []
     computed = []    # (outputs, run mask) of this round's computations
     num_attacking = jnp.float32(0.0)
+    deferred = jnp.float32(0.0)   # due updates left for the next round
     for j, slots in enumerate(cohorts):
       ids, mask = sample_cohort(per_cohort(sample_key, j), slots,
                                 config.padded(slots.clients_per_round))
@@ -454,6 +472,20 @@ def make_round_step(method: Method, config: RoundConfig, *,
       busy_until = busy_until.at[rows].set(now + delays, mode='drop')
       buffer = delay_lib.enqueue(pending.buffers[j], now, outputs, ids,
                                  is_mal, delays, mask, delay)
+      if config.max_arrivals:
+        rows, taken, staleness, late, buffer = delay_lib.take_oldest(
+            buffer, now, config.padded(config.max_arrivals))
+        busy_until = busy_until.at[jnp.where(late, buffer.ids,
+                                             config.num_clients)].set(
+            now + 1, mode='drop')
+        deferred += jnp.sum(late).astype(jnp.float32)
+        buffers.append(buffer)
+        arrivals.append(Arrivals(
+            buffer.ids[rows], taken,
+            jax.tree.map(lambda leaf: leaf[rows], buffer.outputs),
+            staleness))
+        arrival_mal.append(buffer.is_malicious[rows] & taken)
+        continue
       arriving, staleness, buffer = delay_lib.dequeue(buffer, now)
       buffers.append(buffer)
       arrivals.append(Arrivals(buffer.ids, arriving, buffer.outputs,
@@ -479,6 +511,8 @@ def make_round_step(method: Method, config: RoundConfig, *,
       mask_all = jnp.concatenate([a.mask for a in arrivals])
       stale = jnp.concatenate([a.staleness for a in arrivals])
       metrics['arrivals'] = jnp.sum(mask_all).astype(jnp.float32)
+      if config.max_arrivals:
+        metrics['arrivals_deferred'] = deferred
       metrics['staleness_mean'] = masked_mean(stale.astype(jnp.float32),
                                               mask_all)
       metrics['staleness_max'] = jnp.max(jnp.where(mask_all, stale, 0)

@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedrobust.aggregators.base import Aggregator, call_aggregator
@@ -313,7 +314,10 @@ def eval_models_of(cohorts: tuple[Cohort, ...], bases, trainables
   """The models to evaluate: each cohort's merged global model; for a
   width-sliced cohort, every client's own submodel (the headline: the mean
   over clients, as heterogeneous-FL papers report), the full model
-  ('full') and each distinct width's submodel ('w0.5', ...)."""
+  ('full') and each distinct width's submodel ('w0.5', ...). Clients of
+  one width share one submodel: the per-client model holds one row per
+  distinct width and an index from client to row, so evaluating N
+  clients costs as many models as there are widths."""
   out = []
   for j, c in enumerate(cohorts):
     label = '' if len(cohorts) == 1 else c.name
@@ -323,16 +327,19 @@ def eval_models_of(cohorts: tuple[Cohort, ...], bases, trainables
     if not sliced:
       out.append(EvalModel(label, j, full))
       continue
-    specs = jnp.asarray([c.specs[i] for i in c.members], jnp.float32)
-    own = jax.vmap(lambda v: c.transform.merge(bases[j], trainables[j],
-                                                 v))(specs)
-    out.append(EvalModel(label, j, own, clients=c.members, per_client=True))
+    values = tuple(c.transform.spec_values)
+    widths = jax.vmap(lambda v: c.transform.merge(bases[j], trainables[j],
+                                                    v))(
+        jnp.asarray(values, jnp.float32))
+    index = np.asarray([values.index(c.specs[i]) for i in c.members],
+                       np.int32)
+    out.append(EvalModel(label, j, widths, clients=c.members,
+                         per_client=True, index=index))
     prefix = label + '/' if label else ''
     out.append(EvalModel(prefix + 'full', j, full, c.members))
-    for v in c.transform.spec_values:
+    for r, v in enumerate(values):
       clients = tuple(i for i in c.members if c.specs[i] == v)
-      out.append(EvalModel(
-          f'{prefix}w{v:g}', j,
-          c.transform.merge(bases[j], trainables[j], jnp.float32(v)),
-          clients))
+      out.append(EvalModel(f'{prefix}w{v:g}', j,
+                           jax.tree.map(lambda leaf, r=r: leaf[r], widths),
+                           clients))
   return tuple(out)
