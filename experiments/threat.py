@@ -171,16 +171,22 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
       config['server_lr'] != 1.0):
     raise ValueError(f'--aggregator={name} tracks the global model and '
                      'needs --server_lr=1')
+  malicious = None
+  if attack != 'none' and not config['resample_malicious']:
+    chosen = np.random.default_rng(config['seed'] + 7).choice(
+        k, num_malicious, replace=False)
+    malicious = jnp.zeros(k, bool).at[chosen].set(True)
+  if name in aggregators.UNLEARNING_RULES:
+    if malicious is None:
+      raise ValueError(f'--aggregator={name} forgets the attackers: it needs '
+                       '--attack with a fixed malicious set (no '
+                       '--resample_malicious)')
+    agg_kwargs.setdefault('forget', np.asarray(malicious))
   aggregator = aggregators.get_aggregator(name, num_byzantine=f,
                                           **agg_kwargs)
 
   threat = None
   if attack != 'none':
-    malicious = None
-    if not config['resample_malicious']:
-      chosen = np.random.default_rng(config['seed'] + 7).choice(
-          k, num_malicious, replace=False)
-      malicious = jnp.zeros(k, bool).at[chosen].set(True)
     threat = Threat(malicious=malicious, num_malicious=num_malicious,
                     start_round=config['attack_start_round'],
                     model_attack=model_attack,

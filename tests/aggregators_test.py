@@ -34,11 +34,14 @@ NAMES = sorted(name for name, factory in _OWN.items()
                if min(k for k, v in _OWN.items() if v is factory) == name)
 PARAMS = {'w': np.zeros((3, 2), np.float32), 'b': np.zeros((2,), np.float32)}
 # Rules that promise nothing against a bad client (breakdown point 0).
-NON_ROBUST = ('mean', 'weighted_mean', 'fdagg', 'twafl', 'sasgd')
+NON_ROBUST = ('mean', 'weighted_mean', 'fdagg', 'twafl', 'sasgd',
+              'federaser')
 KEY = jax.random.key(0)
 # Settings a rule cannot run without (fedhan's per-client cache: N rows).
 REQUIRED_HPARAMS = {'fedhan': {'num_clients': 64, 'rollback': 2},
-                    'foolsgold_ids': {'num_clients': 64}}
+                    'foolsgold_ids': {'num_clients': 64},
+                    'federaser': {'num_clients': 64, 'unlearn_round': 2,
+                                  'forget': np.arange(64) % 5 == 0}}
 
 
 def stack(flat):

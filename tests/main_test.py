@@ -291,6 +291,36 @@ class EndToEndTest(IdxDataTestCase):
         fedhan_rollback=0, clients_per_round=0, num_rounds=2))
     self.assertEqual(summary['rounds_completed'], 2)
 
+  def test_federaser_forgets_the_attackers_from_the_request_round(self):
+    """The FedEraser baseline on width-sliced, delayed clients: told the
+    run's attackers, it resets the model in round 3 and gives them no
+    weight from then on; before, it is FedAvg."""
+    workdir = self.create_tempdir().full_path
+    config = base_config(
+        self.data_dir, workdir, method='fedhan', aggregator='federaser',
+        aggregator_kwargs='{"unlearn_round": 3, "interval": 1}',
+        attack='label_flip', malicious_fraction=0.25, clients_per_round=0,
+        transform='width', width_ratios='1,0.5', client_delay='uniform:1',
+        num_rounds=6)
+    summary = train.run(config)
+    self.assertTrue(np.isfinite(summary['final']['test_accuracy']))
+    with open(os.path.join(workdir, 'rounds.jsonl')) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertEqual([r['unlearned'] for r in rows], [0, 0, 1, 0, 0, 0])
+    self.assertEqual([r['calibrating'] for r in rows], [0, 0, 0, 1, 1, 0])
+    forgotten = 0
+    for r in rows:
+      c = r['clients']
+      for m, w in zip(c['malicious'], c['weight']):   # arrivals only
+        if r['round'] >= 3 and m:
+          self.assertEqual(w, 0.0)
+          forgotten += 1
+        elif r['round'] < 3:
+          self.assertGreater(w, 0.0)
+    self.assertGreater(forgotten, 0)
+    with self.assertRaisesRegex(ValueError, 'fixed malicious set'):
+      train.run(dict(config, resample_malicious=True, overwrite=True))
+
   def test_exclude_malicious_retrains_without_them(self):
     """--exclude_malicious (the Retrain baseline): the fixed malicious set
     never arrives; everyone else does."""

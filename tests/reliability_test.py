@@ -376,7 +376,8 @@ RULES = sorted(name for name in aggregators.AGGREGATORS
                if name not in aggregators.SERVER_DATA_RULES + ('rfa',
                                                                'fdagg'))
 BAD = ('nan', 'inf', '1e38')
-NON_ROBUST = ('mean', 'weighted_mean', 'twafl', 'sasgd')
+NON_ROBUST = ('mean', 'weighted_mean', 'twafl', 'sasgd',
+              'federaser')
 C = 7      # Bulyan with f = 1 needs n >= 4f + 3
 
 
@@ -389,6 +390,8 @@ def bad_client_round(rule):
   local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
   kwargs = ({'num_clients': C} if rule in aggregators.SLOT_HISTORY_RULES +
             aggregators.CLIENT_ID_RULES else {})
+  if rule in aggregators.UNLEARNING_RULES:
+    kwargs.update(forget=np.arange(C) == 2, unlearn_round=2)
   agg = aggregators.get_aggregator(rule, num_byzantine=1, **kwargs)
   method = get_method('fedavg', cohorts=single_cohort(
       model, identity(model), C, C), local=local,

@@ -16,6 +16,7 @@ from typing import Callable
 
 from fedrobust.aggregators import coordinatewise
 from fedrobust.aggregators import dnc as dnc_lib
+from fedrobust.aggregators import federaser as federaser_lib
 from fedrobust.aggregators import fedhan as fedhan_lib
 from fedrobust.aggregators import horus as horus_lib
 from fedrobust.aggregators import krum as krum_lib
@@ -44,6 +45,7 @@ AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     'dnc': dnc_lib.dnc,
     'horus': horus_lib.horus,
     'fedhan': fedhan_lib.fedhan,
+    'federaser': federaser_lib.federaser,
 }
 
 # Minimum clients per round, per rule: (inequality, f -> min n).
@@ -127,7 +129,8 @@ GLOBAL_MODEL_RULES = ('fltrust', 'crfl', 'sageflow', 'finetune')
 # Rules that track the global model in their state, assuming the server
 # applies params + update with server lr 1. FLDetector uses only the
 # model's changes (w_t - w_{t-1}), so it runs on any group of clients.
-MODEL_TRACKING_RULES = GLOBAL_MODEL_RULES + ('fldetector', 'fedhan')
+MODEL_TRACKING_RULES = GLOBAL_MODEL_RULES + ('fldetector', 'fedhan',
+                                             'federaser')
 # Rules whose per-client history assumes consecutive rounds: every client
 # every round, no client delays.
 FULL_PARTICIPATION_RULES = ('foolsgold', 'fldetector')
@@ -136,4 +139,7 @@ FULL_PARTICIPATION_RULES = ('foolsgold', 'fldetector')
 SLOT_HISTORY_RULES = ('foolsgold',)
 # Per-client state indexed by client id (the `ids` extra, num_clients=K):
 # any group of clients, e.g. the shared layers of several cohorts.
-CLIENT_ID_RULES = ('fldetector', 'fedhan', 'foolsgold_ids')
+CLIENT_ID_RULES = ('fldetector', 'fedhan', 'foolsgold_ids', 'federaser')
+# Unlearning baselines: told whom to forget (factory arg `forget`, bool[K]:
+# the run's attackers, i.e. they presume perfect detection).
+UNLEARNING_RULES = ('federaser',)
