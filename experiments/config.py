@@ -127,6 +127,9 @@ CORE: tuple[Setting, ...] = (
       'the Retrain baseline of recovery (training from scratch without '
       'the attackers, same data split and schedule).'),
     S('attack_start_round', 1, 'First round attackers act (Horus: 20).'),
+    S('attacker_every_round', False, 'From --attack_start_round on, every '
+      "round's sample holds at least one attacker (FedHAN's detector "
+      'setting); needs a fixed malicious set.'),
     S('attacker_knowledge', 'benign_stats', 'What model-poisoning attackers '
       'may read.', choices=('benign_stats', 'own_updates_only')),
     S('backdoor_target_label', 2, 'Backdoor / targeted-flip target class.'),

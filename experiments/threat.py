@@ -77,6 +77,12 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
   if config['exclude_malicious'] and attack == 'none':
     raise ValueError('--exclude_malicious needs --attack and '
                      '--malicious_fraction to say who the attackers are')
+  if config['attacker_every_round'] and (
+      attack == 'none' or config['resample_malicious'] or
+      config['exclude_malicious']):
+    raise ValueError('--attacker_every_round needs --attack with a fixed, '
+                     'participating malicious set (no --resample_malicious '
+                     'or --exclude_malicious)')
   if config['attack_start_round'] < 1:
     raise ValueError('--attack_start_round must be >= 1')
   # f, the number of Byzantine clients an aggregator is told to tolerate:
@@ -190,5 +196,6 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
     threat = Threat(malicious=malicious, num_malicious=num_malicious,
                     start_round=config['attack_start_round'],
                     model_attack=model_attack,
-                    absent=config['exclude_malicious'])
+                    absent=config['exclude_malicious'],
+                    every_round=config['attacker_every_round'])
   return ThreatSetup(threat, poison, aggregator, triggered, num_malicious, f)

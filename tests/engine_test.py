@@ -468,6 +468,56 @@ class DelayTest(parameterized.TestCase):
       self._run(None, 1, max_arrivals=4)
     self.assertEqual(ctx.exception.argument, 'max_arrivals')
 
+  def test_with_an_attacker_swaps_one_in_only_when_none_is_sampled(self):
+    from fedrobust.engine.round import CohortSlots, with_an_attacker  # pylint: disable=g-import-not-at-top
+    slots = CohortSlots(tuple(range(10)), 4)
+    mal = jnp.zeros(10, bool).at[jnp.array([7, 8])].set(True)
+    ids = jnp.array([0, 2, 3, 5, 0], jnp.int32)
+    mask = jnp.array([False, True, True, True, False])
+    key = jax.random.key(3)
+    out = np.asarray(with_an_attacker(key, slots, ids, mask, mal, None))
+    # The first live benign slot (1) takes attacker 7 or 8; the rest stay.
+    self.assertIn(out[1], (7, 8))
+    np.testing.assert_array_equal(np.delete(out, 1), [0, 3, 5, 0])
+    # Already one attacker: unchanged.
+    ids2 = ids.at[2].set(8)
+    np.testing.assert_array_equal(
+        with_an_attacker(key, slots, ids2, mask, mal, None), ids2)
+    # No free attacker: unchanged.
+    free = jnp.ones(10, bool).at[jnp.array([7, 8])].set(False)
+    np.testing.assert_array_equal(
+        with_an_attacker(key, slots, ids, mask, mal, free), ids)
+    # A busy attacker is never picked.
+    free = jnp.ones(10, bool).at[7].set(False)
+    for seed in range(5):
+      out = with_an_attacker(jax.random.key(seed), slots, ids, mask, mal,
+                             free)
+      self.assertEqual(int(out[1]), 8)
+
+  def test_attacker_every_round_in_the_round(self):
+    model = linear_model()
+    data = toy_data([5, 9, 2, 7, 4, 6, 3, 8, 5, 6], 9, seed=3)
+    method = fedavg_method(model, batch_size=4, epochs=1, n_max=9,
+                           num_clients=10)
+    config = engine.RoundConfig(num_clients=10, clients_per_round=3,
+                                strategy='vmap',
+                                delay=engine.DelayModel('uniform', 0.5, 1))
+    counts = {}
+    for every in (False, True):
+      threat = engine.Threat(malicious=jnp.arange(10) >= 8,
+                             num_malicious=2, start_round=2,
+                             every_round=every)
+      state = engine.init_server_state(
+          method, model.init(jax.random.key(0)), 10, seed=1, config=config,
+          data=data)
+      step = jax.jit(engine.make_round_step(method, config, threat=threat))
+      counts[every] = []
+      for _ in range(8):
+        state, metrics = step(state, data, ())
+        counts[every].append(float(metrics['num_attacking']))
+    self.assertIn(0.0, counts[False][1:])
+    self.assertGreaterEqual(min(counts[True][1:]), 1.0)
+
   def test_zero_delays_equal_the_synchronous_round(self):
     sync, _ = self._run(None, 3)
     instant, history = self._run(engine.DelayModel('exponential', 1e-9, 2),

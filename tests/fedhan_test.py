@@ -232,6 +232,36 @@ class RuleTest(absltest.TestCase):
     self.assertEqual(set(banned_at), bad)
     self.assertTrue(np.all(np.isfinite(np.asarray(state.cache.gbar))))
 
+  def test_banned_uploads_are_scored_but_never_aggregated(self):
+    """Once banned, the attackers' uploads still enter the clustering, so
+    a round whose only outlier is benign is not cut there, and no second
+    recovery starts."""
+    n, d = 8, 6
+    agg = get_aggregator('fedhan', num_clients=n, rollback=2)
+    step = jax.jit(lambda u, st: call_aggregator(
+        agg, {'w': u}, jnp.ones(n, bool), st, jax.random.key(0),
+        ids=jnp.arange(n, dtype=jnp.int32),
+        staleness=jnp.zeros(n, jnp.int32), coverage=None))
+    state = agg.init({'w': jnp.zeros((d,))})
+    rng = np.random.default_rng(1)
+    direction = rng.normal(size=d)
+    infos = []
+    for round_ in range(4):
+      u = direction + 0.05 * rng.normal(size=(n, d))
+      u[6:] = -5.0 * direction
+      if round_ == 3:
+        u[0] = 2.5 * direction       # a benign outlier
+      _, state, info = step(jnp.asarray(u, jnp.float32), state)
+      infos.append(jax.tree.map(np.asarray, info))
+    np.testing.assert_array_equal(np.flatnonzero(state.banned), [6, 7])
+    self.assertEqual(float(infos[1]['recovered']), 1.0)
+    last = infos[3]
+    self.assertTrue(np.all(last['weights'][:6] > 0), last['weights'])
+    np.testing.assert_array_equal(last['weights'][6:], [0.0, 0.0])
+    self.assertEqual(float(last['recovered']), 0.0)
+    self.assertGreater(last['suspicion'][6], last['suspicion'][0])
+    np.testing.assert_array_equal(np.asarray(state.cache.last)[6:], [4, 4])
+
   def test_masked_and_banned_slots_change_nothing(self):
     agg = get_aggregator('fedhan', num_clients=4, detect=False)
     params = {'w': jnp.zeros((3,))}

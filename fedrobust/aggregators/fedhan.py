@@ -16,7 +16,9 @@ per round:
      DBSCAN on the scores (divided by their median), and if it finds
      several clusters or noise, 2-means; the higher-mean cluster is
      flagged, excluded from this round and banned from then on (its cache
-     row never enters the history selection again);
+     row never enters the history selection again; its later uploads are
+     still cached and scored, so they take part in the clustering, but
+     never in an aggregate);
   3. Eq. 5-6: the weighted imputed aggregate of the kept arrivals;
   4. Eq. 7-8: adds alpha times the aggregate of the cached updates of
      non-arriving clients (staleness <= tau_max) whose cosine with it is
@@ -266,12 +268,16 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     ids = jnp.asarray(ids, jnp.int32)
     mask = jnp.asarray(mask, bool)
     banned = state.banned.at[ids].get(mode='fill', fill_value=True)
-    valid = finite_clients(flat, mask) & ~banned
+    # A banned client's uploads are still cached and scored, so each
+    # round's clustering sees every update received (the paper clusters
+    # the round's arrivals; bans are ours), but never aggregated.
+    finite = finite_clients(flat, mask)
+    valid = finite & ~banned
     cov = (jnp.ones((c, d), bool) if coverage is None else
            ravel_clients(coverage) > 0)
     tau = jnp.maximum(jnp.asarray(staleness, jnp.int32), 0)
     round_ = state.round + 1
-    clean = jnp.where(valid[:, None] & cov, flat, 0.0)
+    clean = jnp.where(finite[:, None] & cov, flat, 0.0)
     # g(w_{j - tau}): the global update applied in round j - 1 - tau (the
     # one the client's model came from; older than the history: the
     # oldest kept). A model sent before any global update existed (round
@@ -282,9 +288,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     have_global = round_ - 1 - tau >= 1
     then = state.history[jnp.mod(src, history)]
     then = jnp.where(have_global[:, None], then, clean)
-    cache = fc.receive(state.cache, ids, valid, clean, cov, tau, then,
+    cache = fc.receive(state.cache, ids, finite, clean, cov, tau, then,
                        round_=round_, beta=beta)
-    scored = valid & have_global
+    scored = finite & have_global
     scores = fc.suspicion(cache, ids, scored)
     if detect:
       flagged, detected = fc.detect(scores, scored, eps=eps,
@@ -309,7 +315,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     replayed = jnp.int32(0)
     overflow = jnp.float32(0.0)
     if m:
-      recovered = jnp.any(flagged)
+      recovered = jnp.any(flagged & valid)   # a newly detected client
 
       def recover():
         delta, n, hvp = replay(state, new_banned, round_)

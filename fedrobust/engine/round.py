@@ -54,6 +54,10 @@ class Threat(NamedTuple):
   absent: the malicious clients never take part (their slots are masked
     every round): the "Retrain" baseline of recovery papers, training
     without the attackers. Needs a fixed `malicious` set.
+  every_round: from start_round on, every round's sample holds at least
+    one attacker (FedHAN's detector setting, "at least one attacker per
+    round"): if the uniform sample has none, a free attacker of the cohort
+    takes the slot of a sampled benign client. Needs a fixed set.
   Data poisoning is the method's business: client_update sees
   LocalData.is_malicious and LocalData.attacker_rank.
   """
@@ -62,6 +66,7 @@ class Threat(NamedTuple):
   start_round: int = 1
   model_attack: Callable | None = None
   absent: bool = False
+  every_round: bool = False
 
 
 class CohortSlots(NamedTuple):
@@ -160,6 +165,33 @@ def sample_cohort(key: jax.Array, slots: CohortSlots, num_slots: int
   mask = jnp.concatenate([jnp.ones(c, bool), jnp.zeros(pad, bool)])
   fill = jnp.full((pad,), slots.members[0], jnp.int32)
   return jnp.concatenate([ids.astype(jnp.int32), fill]), mask
+
+
+def with_an_attacker(key: jax.Array, slots: CohortSlots, ids: jax.Array,
+                     mask: jax.Array, malicious: jax.Array,
+                     free: jax.Array | None) -> jax.Array:
+  """ids with one attacker swapped in when the live sample holds none.
+
+  A uniformly drawn attacker of the cohort that is free (not busy, not
+  sampled) replaces the first live benign slot; without such an attacker
+  or benign slot the sample is unchanged.
+
+  Args:
+    free: bool[K], clients that may start training (None: all).
+  """
+  members = jnp.asarray(slots.members, jnp.int32)
+  sampled = jnp.zeros(malicious.shape, bool).at[
+      jnp.where(mask, ids, malicious.shape[0])].set(True, mode='drop')
+  ok = malicious[members] & ~sampled[members]
+  if free is not None:
+    ok = ok & free[members]
+  bad_slot = malicious[ids] & mask
+  benign_slot = mask & ~malicious[ids]
+  draw = jnp.where(ok, jax.random.uniform(key, members.shape), -1.0)
+  pick = members[jnp.argmax(draw)]
+  swap = ~jnp.any(bad_slot) & jnp.any(ok) & jnp.any(benign_slot)
+  slot = jnp.argmax(benign_slot)
+  return jnp.where(swap & (jnp.arange(ids.shape[0]) == slot), pick, ids)
 
 
 def sample_clients(key: jax.Array, config: RoundConfig
@@ -441,6 +473,12 @@ def make_round_step(method: Method, config: RoundConfig, *,
         mask = mask & (busy_until[ids] < now)   # busy clients are away
       if threat is not None and threat.absent:
         mask = mask & ~threat.malicious[ids]    # attackers never take part
+      if threat is not None and threat.every_round and not threat.absent:
+        forced = with_an_attacker(
+            jax.random.fold_in(per_cohort(sample_key, j), 0xA77), slots,
+            ids, mask, threat.malicious,
+            None if delay is None else busy_until < now)
+        ids = jnp.where(now >= threat.start_round, forced, ids)
       if threat is None or threat.absent:
         is_mal = jnp.zeros(ids.shape, bool)
         rank = jnp.zeros(ids.shape, jnp.int32)
