@@ -89,6 +89,9 @@ CORE: tuple[Setting, ...] = (
       'fjord (ordered dropout: each local step trains the prefix of a width '
       "drawn from the ratios up to the client's).",
       choices=('heterofl', 'fedrolex', 'fjord')),
+    S('width_redraw', False, 'Each client draws its width ratio from '
+      "--width_ratios afresh every round (FedHAN's d_{t,i}) instead of "
+      'keeping the one it was dealt.'),
     S('pretrain_epochs', 0, 'Epochs of central training on the public split '
       '(--public_size) before federated training (the frozen base of '
       '--transform=lora).'),

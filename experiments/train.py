@@ -144,8 +144,10 @@ def validate(config: dict[str, Any]) -> None:
       'first,head':
     raise ValueError('--select_targets needs --transform=select')
   if config['transform'] != 'width' and (
-      config['width_ratios'] != '1' or config['width_variant'] != 'heterofl'):
-    raise ValueError('--width_ratios/--width_variant need --transform=width')
+      config['width_ratios'] != '1' or config['width_variant'] != 'heterofl'
+      or config['width_redraw']):
+    raise ValueError('--width_ratios/--width_variant/--width_redraw need '
+                     '--transform=width')
   if config['pretrain_epochs'] and not config['public_size']:
     raise ValueError('--pretrain_epochs needs a public split: '
                      '--public_size > 0')
@@ -269,7 +271,9 @@ def build_cohorts(config: dict[str, Any], *, num_classes: int,
     cohorts.append(Cohort(label, model, get_transform(transform, model,
                                                       **kwargs),
                           tuple(int(i) for i in ids), int(c_j),
-                          tuple(float(v) for v in specs)))
+                          tuple(float(v) for v in specs),
+                          tuple(float(v) for v in ratios)
+                          if config['width_redraw'] else ()))
   return tuple(cohorts), specs
 
 

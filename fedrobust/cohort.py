@@ -35,6 +35,10 @@ class Cohort(NamedTuple):
 
   specs: float per client of the federation (length K; only members'
   entries matter): the client's transform setting (LoRA rank, width ratio).
+  redraw: if non-empty, a client's spec is instead drawn uniformly from
+  these values afresh every round (keyed by client and round; FedHAN's
+  per-round width d_{t,i}); `specs` then only say who evaluates which
+  submodel.
   """
   name: str
   model: Any                    # fedrobust.models.Model
@@ -42,6 +46,7 @@ class Cohort(NamedTuple):
   members: tuple[int, ...]      # sorted client ids
   clients_per_round: int        # C_j
   specs: tuple[float, ...] = ()
+  redraw: tuple[float, ...] = ()
 
 
 def single_cohort(model, transform: Transform, num_clients: int,

@@ -156,5 +156,36 @@ class MethodConformanceTest(parameterized.TestCase):
     chex.assert_trees_all_equal(resumed, straight)
 
 
+class WidthRedrawTest(absltest.TestCase):
+
+  def test_redraw_changes_a_clients_width_between_rounds(self):
+    """With Cohort.redraw a client's width is drawn per (client, round)
+    key from the listed ratios; without it, it keeps its spec."""
+    from fedrobust.cohort import Cohort  # pylint: disable=g-import-not-at-top
+    from fedrobust.transforms import width  # pylint: disable=g-import-not-at-top
+    model = models.get_model('mlp', num_classes=NUM_CLASSES,
+                             input_shape=IMAGE, hidden=(8,))
+    transform = width(model, ratios=(0.5, 1.0))
+    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=2)
+    data = toy_data([5, 8], 8, seed=4)
+    owned = {}
+    for redraw in ((), (0.5, 1.0)):
+      cohorts = (Cohort('mlp', model, transform, (0, 1), 2, (0.5, 1.0),
+                        redraw),)
+      method = get_method('fedavg', cohorts=cohorts, local=local,
+                          optimizer=engine.sgd(learning_rate=0.1))
+      state = engine.init_server_state(
+          method, model.init(jax.random.key(0)), 2, seed=1)
+      run = jax.jit(lambda key, m=method, st=state: m.client_update(
+          0, m.broadcast(st, 0), m.client_state(st.method_state, 0,
+                                                jnp.int32(0)),
+          LocalData(data.x, data.y, jnp.int32(0), data.count[0]), key, ()))
+      owned[redraw] = {
+          float(sum(jnp.sum(c) for c in jax.tree.leaves(
+              run(jax.random.key(r)).coverage))) for r in range(12)}
+    self.assertLen(owned[()], 1)            # client 0 keeps width 0.5
+    self.assertLen(owned[(0.5, 1.0)], 2)    # both widths drawn
+
+
 if __name__ == '__main__':
   absltest.main()

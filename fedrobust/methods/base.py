@@ -104,9 +104,14 @@ def transformed_sgd_update(cohort: Cohort, *, local: LocalConfig,
   """
   transform = cohort.transform
 
+  redraw = jnp.asarray(cohort.redraw, jnp.float32) if cohort.redraw else None
+
   def update(broadcast, spec, data, key):
     base, trainable, round_number = broadcast
     spec = None if isinstance(spec, tuple) else spec
+    if redraw is not None:     # this round's spec (key: client and round)
+      spec = redraw[jax.random.randint(jax.random.fold_in(key, 0x5BEC), (),
+                                       0, redraw.shape[0])]
     cov = transform.coverage(trainable, spec, round_number)
     start = masked(trainable, cov)
 
