@@ -103,6 +103,11 @@ CORE: tuple[Setting, ...] = (
       'the rest wait a round longer. The aggregator then works on these '
       'rows only instead of the whole in-flight buffer (faster when the '
       'buffer is large). 0: every due update. At least clients_per_round.'),
+    S('train_on_arrival', False, 'With --client_delay and --max_arrivals: '
+      'train each client in the round its update is due, from the stored '
+      'global model of the round it started in. Same math; the state keeps '
+      'max_delay + 1 models instead of (max_delay + 1) * clients_per_round '
+      'updates, so long delays (N/K-scale staleness) fit in memory.'),
     # Local and server optimisation.
     S('num_rounds', 20, 'Communication rounds.'),
     S('local_epochs', 1, 'Local epochs per round.'),

@@ -525,7 +525,8 @@ def build(config: dict[str, Any]) -> Program:
       chunk_size=chunk_size, num_devices=num_devices if mesh else 1,
       cohorts=tuple(CohortSlots(c.members, c.clients_per_round)
                     for c in cohorts) if len(cohorts) > 1 else (),
-      delay=delay, max_arrivals=config['max_arrivals'])
+      delay=delay, max_arrivals=config['max_arrivals'],
+      train_on_arrival=config['train_on_arrival'])
   resolved = {'client_execution': strategy, 'chunk_size': chunk_size,
               'conv_impl': conv_impl, 'compute_dtype': compute_dtype,
               'num_devices': num_devices, 'backend': backend,

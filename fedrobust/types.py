@@ -91,9 +91,17 @@ class PendingBuffer(NamedTuple):
 
 
 class AsyncState(NamedTuple):
-  """Semi-asynchronous bookkeeping, part of the checkpointed ServerState."""
+  """Semi-asynchronous bookkeeping, part of the checkpointed ServerState.
+
+  With train_on_arrival (RoundConfig) a buffer's `outputs` are the start
+  tickets {'key': uint32[P, 2], 'rank': int32[P]} instead of updates, and
+  `models` holds per cohort the ring of the last R global trainable trees
+  (leaves [R, ...]): a client trains when its update is due, from the
+  model of the round it started in.
+  """
   buffers: tuple[PendingBuffer, ...]   # one per cohort
   busy_until: jax.Array                # int32[K] last round a client is busy
+  models: tuple = ()                   # per cohort, with train_on_arrival
 
 
 class ServerState(NamedTuple):

@@ -382,14 +382,16 @@ class DelayTest(parameterized.TestCase):
                                  delay.DelayModel('exponential', 2.0, 3))
     self.assertEqual(int(capped.max()), 3)
 
-  def _run(self, delay, rounds, max_arrivals=0, clients_per_round=4):
+  def _run(self, delay, rounds, max_arrivals=0, clients_per_round=4,
+           train_on_arrival=False):
     model = linear_model()
     data = toy_data([5, 9, 2, 7, 4, 6], 9, seed=3)
     method = fedavg_method(model, batch_size=4, epochs=1, n_max=9)
     config = engine.RoundConfig(num_clients=6,
                                 clients_per_round=clients_per_round,
                                 strategy='vmap', delay=delay,
-                                max_arrivals=max_arrivals)
+                                max_arrivals=max_arrivals,
+                                train_on_arrival=train_on_arrival)
     state = engine.init_server_state(method, model.init(jax.random.key(0)),
                                      6, seed=1, config=config, data=data)
     step = jax.jit(engine.make_round_step(method, config))
@@ -412,6 +414,25 @@ class DelayTest(parameterized.TestCase):
     self.assertLess(min(float(m['clients_trained']) for m in history), 4.0)
     busy = np.asarray(state.pending.busy_until)
     self.assertTrue(np.all(busy <= 7 + 2))
+
+  def test_training_on_arrival_equals_training_at_the_start(self):
+    model = engine.DelayModel('uniform', 1.5, 3)
+    run = functools.partial(self._run, model, 9, max_arrivals=2,
+                            clients_per_round=2)
+    held, held_hist = run()
+    lazy, lazy_hist = run(train_on_arrival=True)
+    chex.assert_trees_all_close(lazy.params, held.params, rtol=1e-6,
+                                atol=1e-7)
+    for key in ('arrivals', 'staleness_max', 'arrivals_deferred'):
+      self.assertEqual([float(m[key]) for m in lazy_hist],
+                       [float(m[key]) for m in held_hist], key)
+    # The state holds tickets and R models, not updates.
+    buf = lazy.pending.buffers[0]
+    self.assertEqual(set(buf.outputs), {'key', 'rank'})
+    self.assertEqual(jax.tree.leaves(lazy.pending.models[0])[0].shape[0], 4)
+    with self.assertRaises(SettingError) as ctx:
+      self._run(model, 1, clients_per_round=2, train_on_arrival=True)
+    self.assertEqual(ctx.exception.argument, 'train_on_arrival')
 
   def test_take_oldest_defers_the_newest_due_updates(self):
     from fedrobust.engine import delay  # pylint: disable=g-import-not-at-top

@@ -9,7 +9,9 @@ chex.assert_max_traces(n=1), shared by its tests:
   * exact resume: a checkpoint after round 1, restored and continued, is
     bitwise the uninterrupted 2-round state.
 Variants run FedAvg with client delays (the in-flight buffer must survive
-the checkpoint) and with heterogeneous-rank LoRA (coverage masks).
+the checkpoint), with clients trained on arrival from the stored model of
+their start round (the model ring must survive it) and with
+heterogeneous-rank LoRA (coverage masks).
 """
 
 import functools
@@ -31,7 +33,7 @@ from tests.engine_test import IMAGE, NUM_CLASSES, toy_data
 
 K = 4
 CASES = [(name, 'plain') for name in sorted(METHODS)] + [
-    ('fedavg', 'delay'), ('fedavg', 'lora')]
+    ('fedavg', 'delay'), ('fedavg', 'lazy'), ('fedavg', 'lora')]
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,8 +58,10 @@ def case(name, variant):
                                  v.y[0].reshape(2, 4), jnp.ones((2, 4), bool))
   config = engine.RoundConfig(
       num_clients=K, clients_per_round=K, strategy='vmap',
-      delay=engine.DelayModel('uniform', 1.0, 2) if variant == 'delay'
-      else None)
+      delay=engine.DelayModel('uniform', 1.0, 2)
+      if variant in ('delay', 'lazy') else None,
+      max_arrivals=K if variant == 'lazy' else 0,
+      train_on_arrival=variant == 'lazy')
   round_step = engine.make_round_step(method, config)
 
   def step(state, data, server_data):

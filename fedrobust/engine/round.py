@@ -85,6 +85,16 @@ class RoundConfig(NamedTuple):
   max_arrivals: with a delay, the server takes at most this many of the
     updates due in a round per cohort, oldest first, and the aggregator
     sees only those rows (0: every due update, all the buffer's rows).
+  train_on_arrival: with a delay (and max_arrivals), a client's training
+    runs in the round its update is due, from the global model of the round
+    it started in (kept in a ring of R = max_delay + 1 models), instead of
+    in its start round with the update held in flight. The math is the
+    same (training is a function of that model, the data and the client's
+    start-round key) but the state holds R models instead of R * C_j
+    updates, so delays of hundreds of rounds (N/K-scale staleness) fit.
+    Model-poisoning attackers craft among the updates of the round they
+    arrive in, and the broadcast is rebuilt from the stored trainable tree
+    with the current method state.
   """
   num_clients: int          # K
   clients_per_round: int    # C
@@ -94,6 +104,7 @@ class RoundConfig(NamedTuple):
   cohorts: tuple[CohortSlots, ...] = ()
   delay: delay_lib.DelayModel | None = None
   max_arrivals: int = 0
+  train_on_arrival: bool = False
 
   def cohort_slots(self) -> tuple[CohortSlots, ...]:
     if self.cohorts:
@@ -132,6 +143,11 @@ def validate_round_config(config: RoundConfig) -> None:
   if sum(s.clients_per_round for s in slots) != config.clients_per_round:
     raise SettingError('cohorts', 'per-cohort clients per round must sum '
                        f'to clients_per_round={config.clients_per_round}')
+  if config.train_on_arrival and (config.delay is None or
+                                  not config.max_arrivals):
+    raise SettingError('train_on_arrival', 'trains each client when its '
+                       'update is due: it needs client_delay and '
+                       'max_arrivals > 0')
   if config.max_arrivals < 0:
     raise SettingError('max_arrivals', f'must be >= 0, got '
                        f'{config.max_arrivals}')
@@ -260,12 +276,23 @@ def client_output_shapes(method: Method, cohort: int, state: ServerState,
 
 def init_pending(method: Method, config: RoundConfig, state: ServerState,
                  data: FederatedData, server_data: PyTree) -> AsyncState:
+  busy = jnp.zeros((config.num_clients,), jnp.int32)
+  if config.train_on_arrival:
+    ticket = {'key': jax.ShapeDtypeStruct((2,), jnp.uint32),
+              'rank': jax.ShapeDtypeStruct((), jnp.int32)}
+    r = delay_lib.ring_rows(config.delay)
+    buffers = tuple(delay_lib.empty_buffer(
+        ticket, config.padded(s.clients_per_round), config.delay)
+                    for s in config.cohort_slots())
+    models = tuple(jax.tree.map(lambda p: jnp.zeros((r, *p.shape), p.dtype),
+                                params) for params in state.params)
+    return AsyncState(buffers, busy, models)
   buffers = tuple(
       delay_lib.empty_buffer(
           client_output_shapes(method, j, state, data, server_data),
           config.padded(s.clients_per_round), config.delay)
       for j, s in enumerate(config.cohort_slots()))
-  return AsyncState(buffers, jnp.zeros((config.num_clients,), jnp.int32))
+  return AsyncState(buffers, busy)
 
 
 def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -451,6 +478,21 @@ def make_round_step(method: Method, config: RoundConfig, *,
       return jax.lax.cond(live, train, zeros)
     return one_client
 
+  def arrival_fn(j):
+    """A client trained in the round its update is due (train_on_arrival):
+    its broadcast is rebuilt from the stored model of its start round."""
+    def one_client(per_client, shared):
+      (client_id, key_data, client_state, is_mal, rank, live, params_row,
+       start) = per_client
+      state, data, server_data = shared
+      params = tuple(params_row if i == j else p
+                     for i, p in enumerate(state.params))
+      broadcast = method.broadcast(state._replace(params=params,
+                                                  round=start - 1), j)
+      return client_fn(j)((client_id, key_data, client_state, is_mal, rank,
+                           live), (broadcast, data, server_data))
+    return one_client
+
   def round_step(state: ServerState, data: FederatedData,
                  server_data: PyTree = ()):
     key = jax.random.wrap_key_data(state.key)
@@ -462,7 +504,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
     per_cohort = lambda k, j: k if j == 0 else jax.random.fold_in(k, j)
     pending = state.pending
     busy_until = pending.busy_until if delay is not None else None
-    arrivals, arrival_mal, buffers = [], [], []
+    arrivals, arrival_mal, buffers, rings = [], [], [], []
     computed = []    # (outputs, run mask) of this round's computations
     num_attacking = jnp.float32(0.0)
     deferred = jnp.float32(0.0)   # due updates left for the next round
@@ -485,10 +527,51 @@ def make_round_step(method: Method, config: RoundConfig, *,
       else:
         is_mal, rank = malicious_slots(threat_key, ids, mask, threat,
                                        config.num_clients, now)
-      num_attacking += jnp.sum(is_mal).astype(jnp.float32)
       # A client's key depends on its id and the round, never on its slot.
       keys = jax.vmap(lambda i: jax.random.key_data(
           jax.random.fold_in(client_key, i)))(ids)
+      if config.train_on_arrival:
+        delays = delay_lib.sample_delays(
+            jax.random.fold_in(per_cohort(sample_key, j), 0x5EED), ids,
+            delay)
+        busy_until = busy_until.at[jnp.where(mask, ids, config.num_clients)
+                                   ].set(now + delays, mode='drop')
+        r = delay_lib.ring_rows(delay)
+        ring = jax.tree.map(lambda a, p: a.at[now % r].set(p),
+                            pending.models[j], state.params[j])
+        buffer = delay_lib.enqueue(pending.buffers[j], now,
+                                   {'key': keys, 'rank': rank}, ids, is_mal,
+                                   delays, mask, delay)
+        rows, taken, staleness, late, buffer = delay_lib.take_oldest(
+            buffer, now, config.padded(config.max_arrivals))
+        busy_until = busy_until.at[jnp.where(late, buffer.ids,
+                                             config.num_clients)].set(
+            now + 1, mode='drop')
+        deferred += jnp.sum(late).astype(jnp.float32)
+        a_ids = buffer.ids[rows]
+        start = buffer.computed_round[rows]
+        a_mal = buffer.is_malicious[rows] & taken
+        ticket = jax.tree.map(lambda leaf: leaf[rows], buffer.outputs)
+        outputs = run_clients(
+            arrival_fn(j),
+            (a_ids, ticket['key'],
+             method.client_state(state.method_state, j, a_ids), a_mal,
+             ticket['rank'], taken,
+             jax.tree.map(lambda a: a[start % r], ring), start),
+            (state._replace(pending=()), data, server_data),
+            strategy=config.strategy, chunk_size=config.chunk_size,
+            mesh=mesh)
+        if threat is not None and threat.model_attack is not None:
+          outputs = _attack(outputs, threat, a_mal, taken,
+                            per_cohort(attack_key, j))
+        num_attacking += jnp.sum(a_mal).astype(jnp.float32)
+        computed.append((outputs, taken))
+        buffers.append(buffer)
+        rings.append(ring)
+        arrivals.append(Arrivals(a_ids, taken, outputs, staleness))
+        arrival_mal.append(a_mal)
+        continue
+      num_attacking += jnp.sum(is_mal).astype(jnp.float32)
       client_state = method.client_state(state.method_state, j, ids)
       outputs = run_clients(client_fn(j),
                             (ids, keys, client_state, is_mal, rank, mask),
@@ -577,7 +660,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
           per[name] = values
       metrics['clients'] = per
     metrics.update({k: v for k, v in info.items() if jnp.ndim(v) == 0})
-    new_pending = (AsyncState(tuple(buffers), busy_until)
+    new_pending = (AsyncState(tuple(buffers), busy_until, tuple(rings))
                    if delay is not None else state.pending)
     new_state = ServerState(now, tuple(params), method_state,
                             jax.random.key_data(key), new_pending)
