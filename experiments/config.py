@@ -104,10 +104,15 @@ CORE: tuple[Setting, ...] = (
       'rows only instead of the whole in-flight buffer (faster when the '
       'buffer is large). 0: every due update. At least clients_per_round.'),
     S('train_on_arrival', False, 'With --client_delay and --max_arrivals: '
-      'train each client in the round its update is due, from the stored '
+      'train each client in the round its update is taken, from the stored '
       'global model of the round it started in. Same math; the state keeps '
-      'max_delay + 1 models instead of (max_delay + 1) * clients_per_round '
-      'updates, so long delays (N/K-scale staleness) fit in memory.'),
+      'a ticket per client and --max_staleness + 1 models instead of '
+      '(max_delay + 1) * clients_per_round updates, so every client can be '
+      'in flight (--clients_per_round=0) with the server taking '
+      "--max_arrivals a round: FedHAN's N/K staleness."),
+    S('max_staleness', 0, 'With --train_on_arrival: updates older than this '
+      'many rounds when taken are dropped (the model ring keeps this many + '
+      '1 global models; 0: the delay cap).'),
     # Local and server optimisation.
     S('num_rounds', 20, 'Communication rounds.'),
     S('local_epochs', 1, 'Local epochs per round.'),

@@ -526,7 +526,8 @@ def build(config: dict[str, Any]) -> Program:
       cohorts=tuple(CohortSlots(c.members, c.clients_per_round)
                     for c in cohorts) if len(cohorts) > 1 else (),
       delay=delay, max_arrivals=config['max_arrivals'],
-      train_on_arrival=config['train_on_arrival'])
+      train_on_arrival=config['train_on_arrival'],
+      max_staleness=config['max_staleness'])
   resolved = {'client_execution': strategy, 'chunk_size': chunk_size,
               'conv_impl': conv_impl, 'compute_dtype': compute_dtype,
               'num_devices': num_devices, 'backend': backend,

@@ -383,7 +383,7 @@ class DelayTest(parameterized.TestCase):
     self.assertEqual(int(capped.max()), 3)
 
   def _run(self, delay, rounds, max_arrivals=0, clients_per_round=4,
-           train_on_arrival=False):
+           train_on_arrival=False, max_staleness=0):
     model = linear_model()
     data = toy_data([5, 9, 2, 7, 4, 6], 9, seed=3)
     method = fedavg_method(model, batch_size=4, epochs=1, n_max=9)
@@ -391,7 +391,8 @@ class DelayTest(parameterized.TestCase):
                                 clients_per_round=clients_per_round,
                                 strategy='vmap', delay=delay,
                                 max_arrivals=max_arrivals,
-                                train_on_arrival=train_on_arrival)
+                                train_on_arrival=train_on_arrival,
+                                max_staleness=max_staleness)
     state = engine.init_server_state(method, model.init(jax.random.key(0)),
                                      6, seed=1, config=config, data=data)
     step = jax.jit(engine.make_round_step(method, config))
@@ -433,6 +434,26 @@ class DelayTest(parameterized.TestCase):
     with self.assertRaises(SettingError) as ctx:
       self._run(model, 1, clients_per_round=2, train_on_arrival=True)
     self.assertEqual(ctx.exception.argument, 'train_on_arrival')
+
+  def test_every_client_in_flight_gives_queueing_staleness(self):
+    """N/K staleness: all 6 clients start whenever free, the server takes
+    one update a round, so updates wait ~N/K rounds; those older than
+    max_staleness are dropped when due."""
+    state, history = self._run(engine.DelayModel('uniform', 0.5, 1), 14,
+                               max_arrivals=1, clients_per_round=6,
+                               train_on_arrival=True, max_staleness=4)
+    self.assertEqual(max(float(m['arrivals']) for m in history), 1.0)
+    self.assertEqual(max(float(m['clients_trained']) for m in history), 1.0)
+    stale = [float(m['staleness_max']) for m in history]
+    self.assertGreater(max(stale), 1.0)        # past the delay cap
+    self.assertLessEqual(max(stale), 4.0)      # the model ring's depth
+    self.assertGreater(sum(float(m['arrivals_expired']) for m in history),
+                       0.0)
+    self.assertEqual(jax.tree.leaves(state.pending.models[0])[0].shape[0],
+                     5)
+    with self.assertRaises(SettingError) as ctx:
+      self._run(engine.DelayModel('uniform', 0.5, 1), 1, max_staleness=3)
+    self.assertEqual(ctx.exception.argument, 'max_staleness')
 
   def test_take_oldest_defers_the_newest_due_updates(self):
     from fedrobust.engine import delay  # pylint: disable=g-import-not-at-top

@@ -135,6 +135,37 @@ def enqueue(buffer, now: jax.Array, outputs, ids: jax.Array,
       valid=put(buffer.valid, mask))
 
 
+def empty_tickets(ticket_shapes, num_clients: int):
+  """train_on_arrival's in-flight table: one row per client id (a client
+  has at most one update in flight), holding what its training needs when
+  it is due (`ticket_shapes`: ONE client's, e.g. its start-round key)."""
+  zeros = lambda s: jnp.zeros((num_clients, *s.shape), s.dtype)
+  return PendingBuffer(
+      outputs=jax.tree.map(zeros, ticket_shapes),
+      ids=jnp.arange(num_clients, dtype=jnp.int32),
+      is_malicious=jnp.zeros((num_clients,), bool),
+      computed_round=jnp.zeros((num_clients,), jnp.int32),
+      arrival_round=jnp.zeros((num_clients,), jnp.int32),
+      valid=jnp.zeros((num_clients,), bool))
+
+
+def start_tickets(table, now: jax.Array, tickets, ids: jax.Array,
+                  is_malicious: jax.Array, delays: jax.Array,
+                  mask: jax.Array):
+  """Writes the clients starting in round `now` into their rows (masked
+  slots write nothing)."""
+  rows = jnp.where(mask, ids, table.ids.shape[0])
+  put = lambda leaf, new: leaf.at[rows].set(new.astype(leaf.dtype),
+                                           mode='drop')
+  return table._replace(
+      outputs=jax.tree.map(put, table.outputs, tickets),
+      is_malicious=put(table.is_malicious, is_malicious & mask),
+      computed_round=put(table.computed_round,
+                         jnp.broadcast_to(now, ids.shape)),
+      arrival_round=put(table.arrival_round, now + delays),
+      valid=put(table.valid, mask))
+
+
 def take_oldest(buffer, now: jax.Array, count: int):
   """The server takes at most `count` of the updates due now.
 

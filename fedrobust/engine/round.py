@@ -86,15 +86,22 @@ class RoundConfig(NamedTuple):
     updates due in a round per cohort, oldest first, and the aggregator
     sees only those rows (0: every due update, all the buffer's rows).
   train_on_arrival: with a delay (and max_arrivals), a client's training
-    runs in the round its update is due, from the global model of the round
-    it started in (kept in a ring of R = max_delay + 1 models), instead of
-    in its start round with the update held in flight. The math is the
-    same (training is a function of that model, the data and the client's
-    start-round key) but the state holds R models instead of R * C_j
-    updates, so delays of hundreds of rounds (N/K-scale staleness) fit.
+    runs in the round its update is taken, from the global model of the
+    round it started in, instead of in its start round with the update
+    held in flight. The math is the same (training is a function of that
+    model, the data and the client's start-round key); the state holds a
+    ticket per client (one update in flight at most) and a ring of the
+    last max_staleness + 1 global models instead of (max_delay + 1) * C_j
+    updates. So every client can be in flight at once (clients_per_round =
+    num_clients: all free clients start every round) with the server
+    taking max_arrivals a round: FedHAN's N/K staleness. A ticket whose
+    model has left the ring (staleness > max_staleness) is dropped when
+    due (`arrivals_expired`) and its client is free again.
     Model-poisoning attackers craft among the updates of the round they
     arrive in, and the broadcast is rebuilt from the stored trainable tree
     with the current method state.
+  max_staleness: with train_on_arrival, the model ring's depth minus one
+    (0: the delay cap).
   """
   num_clients: int          # K
   clients_per_round: int    # C
@@ -105,6 +112,11 @@ class RoundConfig(NamedTuple):
   delay: delay_lib.DelayModel | None = None
   max_arrivals: int = 0
   train_on_arrival: bool = False
+  max_staleness: int = 0
+
+  def model_ring(self) -> int:
+    """Rows of the train_on_arrival model ring."""
+    return 1 + (self.max_staleness or self.delay.max_delay)
 
   def cohort_slots(self) -> tuple[CohortSlots, ...]:
     if self.cohorts:
@@ -148,10 +160,16 @@ def validate_round_config(config: RoundConfig) -> None:
     raise SettingError('train_on_arrival', 'trains each client when its '
                        'update is due: it needs client_delay and '
                        'max_arrivals > 0')
+  if config.max_staleness < 0:
+    raise SettingError('max_staleness', f'must be >= 0, got '
+                       f'{config.max_staleness}')
+  if config.max_staleness and not config.train_on_arrival:
+    raise SettingError('max_staleness', 'sizes the train_on_arrival model '
+                       'ring; it needs train_on_arrival')
   if config.max_arrivals < 0:
     raise SettingError('max_arrivals', f'must be >= 0, got '
                        f'{config.max_arrivals}')
-  if config.max_arrivals:
+  if config.max_arrivals and not config.train_on_arrival:
     if config.delay is None:
       raise SettingError('max_arrivals', 'caps the updates taken per round '
                          'from the in-flight buffer; it needs client_delay')
@@ -280,10 +298,9 @@ def init_pending(method: Method, config: RoundConfig, state: ServerState,
   if config.train_on_arrival:
     ticket = {'key': jax.ShapeDtypeStruct((2,), jnp.uint32),
               'rank': jax.ShapeDtypeStruct((), jnp.int32)}
-    r = delay_lib.ring_rows(config.delay)
-    buffers = tuple(delay_lib.empty_buffer(
-        ticket, config.padded(s.clients_per_round), config.delay)
-                    for s in config.cohort_slots())
+    r = config.model_ring()
+    buffers = tuple(delay_lib.empty_tickets(ticket, config.num_clients)
+                    for _ in config.cohort_slots())
     models = tuple(jax.tree.map(lambda p: jnp.zeros((r, *p.shape), p.dtype),
                                 params) for params in state.params)
     return AsyncState(buffers, busy, models)
@@ -508,6 +525,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
     computed = []    # (outputs, run mask) of this round's computations
     num_attacking = jnp.float32(0.0)
     deferred = jnp.float32(0.0)   # due updates left for the next round
+    expired = jnp.float32(0.0)    # train_on_arrival tickets too stale
     for j, slots in enumerate(cohorts):
       ids, mask = sample_cohort(per_cohort(sample_key, j), slots,
                                 config.padded(slots.clients_per_round))
@@ -536,12 +554,18 @@ def make_round_step(method: Method, config: RoundConfig, *,
             delay)
         busy_until = busy_until.at[jnp.where(mask, ids, config.num_clients)
                                    ].set(now + delays, mode='drop')
-        r = delay_lib.ring_rows(delay)
+        r = config.model_ring()
         ring = jax.tree.map(lambda a, p: a.at[now % r].set(p),
                             pending.models[j], state.params[j])
-        buffer = delay_lib.enqueue(pending.buffers[j], now,
-                                   {'key': keys, 'rank': rank}, ids, is_mal,
-                                   delays, mask, delay)
+        buffer = delay_lib.start_tickets(pending.buffers[j], now,
+                                         {'key': keys, 'rank': rank}, ids,
+                                         is_mal, delays, mask)
+        # A due ticket whose start model has left the ring is dropped.
+        stale = (buffer.valid & (buffer.arrival_round == now) &
+                 (buffer.computed_round <= now - r))
+        buffer = buffer._replace(valid=buffer.valid & ~stale)
+        busy_until = jnp.where(stale, now, busy_until)
+        expired += jnp.sum(stale).astype(jnp.float32)
         rows, taken, staleness, late, buffer = delay_lib.take_oldest(
             buffer, now, config.padded(config.max_arrivals))
         busy_until = busy_until.at[jnp.where(late, buffer.ids,
@@ -634,6 +658,8 @@ def make_round_step(method: Method, config: RoundConfig, *,
       metrics['arrivals'] = jnp.sum(mask_all).astype(jnp.float32)
       if config.max_arrivals:
         metrics['arrivals_deferred'] = deferred
+      if config.train_on_arrival:
+        metrics['arrivals_expired'] = expired
       metrics['staleness_mean'] = masked_mean(stale.astype(jnp.float32),
                                               mask_all)
       metrics['staleness_max'] = jnp.max(jnp.where(mask_all, stale, 0)
