@@ -235,21 +235,22 @@ class EndToEndTest(IdxDataTestCase):
   def test_width_submodels_are_evaluated(self):
     workdir = self.create_tempdir().full_path
     train.run(base_config(self.data_dir, workdir, transform='width',
-                          width_ratios='1,0.5', num_rounds=1,
+                          width_ratios='1,0.71', num_rounds=1,
                           attack='badnets', malicious_fraction=0.25))
     with open(os.path.join(workdir, 'metrics.jsonl')) as f:
       row = json.loads(f.readline())
     with open(os.path.join(workdir, 'client_histograms.json')) as f:
       ratios = json.load(f)['spec']['ratio']
-    self.assertEqual(sorted(ratios), [0.5, 0.5, 1.0, 1.0])
+    np.testing.assert_allclose(sorted(ratios), [0.71, 0.71, 1.0, 1.0],
+                               rtol=1e-6)   # 0.71 is stored as float32
     # The headline is the mean over clients of their own width's
     # submodel (one evaluation per width, shared by its clients): with two
     # clients per width, the mean of the two width models' numbers.
-    self.assertNotAlmostEqual(row['test_loss/w0.5'], row['test_loss/w1'])
+    self.assertNotAlmostEqual(row['test_loss/w0.71'], row['test_loss/w1'])
     for key in ('test_accuracy', 'test_loss', 'attack_success_rate',
                 'local_accuracy'):
       self.assertAlmostEqual(
-          row[key], (row[key + '/w0.5'] + row[key + '/w1']) / 2, places=5,
+          row[key], (row[key + '/w0.71'] + row[key + '/w1']) / 2, places=5,
           msg=key)
 
   def test_semi_async_resume_is_exact(self):

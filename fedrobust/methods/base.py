@@ -336,14 +336,17 @@ def eval_models_of(cohorts: tuple[Cohort, ...], bases, trainables
     widths = jax.vmap(lambda v: c.transform.merge(bases[j], trainables[j],
                                                     v))(
         jnp.asarray(values, jnp.float32))
-    index = np.asarray([values.index(c.specs[i]) for i in c.members],
-                       np.int32)
+    # specs are stored as float32, the transform's values as given: match
+    # each client to the nearest value.
+    index = np.asarray([int(np.argmin(np.abs(np.asarray(values) -
+                                             c.specs[i])))
+                        for i in c.members], np.int32)
     out.append(EvalModel(label, j, widths, clients=c.members,
                          per_client=True, index=index))
     prefix = label + '/' if label else ''
     out.append(EvalModel(prefix + 'full', j, full, c.members))
     for r, v in enumerate(values):
-      clients = tuple(i for i in c.members if c.specs[i] == v)
+      clients = tuple(i for i, k in zip(c.members, index) if k == r)
       out.append(EvalModel(f'{prefix}w{v:g}', j,
                            jax.tree.map(lambda leaf, r=r: leaf[r], widths),
                            clients))
