@@ -495,6 +495,17 @@ def make_round_step(method: Method, config: RoundConfig, *,
       return jax.lax.cond(live, train, zeros)
     return one_client
 
+  def take_due(buffer, busy_until, now):
+    """The server takes max_arrivals of the due updates (oldest first); the
+    clients of the others stay busy a round longer."""
+    rows, taken, staleness, late, buffer = delay_lib.take_oldest(
+        buffer, now, config.padded(config.max_arrivals))
+    busy_until = busy_until.at[jnp.where(late, buffer.ids,
+                                         config.num_clients)].set(
+        now + 1, mode='drop')
+    return (rows, taken, staleness, buffer, busy_until,
+            jnp.sum(late).astype(jnp.float32))
+
   def arrival_fn(j):
     """A client trained in the round its update is due (train_on_arrival):
     its broadcast is rebuilt from the stored model of its start round."""
@@ -566,12 +577,9 @@ def make_round_step(method: Method, config: RoundConfig, *,
         buffer = buffer._replace(valid=buffer.valid & ~stale)
         busy_until = jnp.where(stale, now, busy_until)
         expired += jnp.sum(stale).astype(jnp.float32)
-        rows, taken, staleness, late, buffer = delay_lib.take_oldest(
-            buffer, now, config.padded(config.max_arrivals))
-        busy_until = busy_until.at[jnp.where(late, buffer.ids,
-                                             config.num_clients)].set(
-            now + 1, mode='drop')
-        deferred += jnp.sum(late).astype(jnp.float32)
+        rows, taken, staleness, buffer, busy_until, late = take_due(
+            buffer, busy_until, now)
+        deferred += late
         a_ids = buffer.ids[rows]
         start = buffer.computed_round[rows]
         a_mal = buffer.is_malicious[rows] & taken
@@ -618,12 +626,9 @@ def make_round_step(method: Method, config: RoundConfig, *,
       buffer = delay_lib.enqueue(pending.buffers[j], now, outputs, ids,
                                  is_mal, delays, mask, delay)
       if config.max_arrivals:
-        rows, taken, staleness, late, buffer = delay_lib.take_oldest(
-            buffer, now, config.padded(config.max_arrivals))
-        busy_until = busy_until.at[jnp.where(late, buffer.ids,
-                                             config.num_clients)].set(
-            now + 1, mode='drop')
-        deferred += jnp.sum(late).astype(jnp.float32)
+        rows, taken, staleness, buffer, busy_until, late = take_due(
+            buffer, busy_until, now)
+        deferred += late
         buffers.append(buffer)
         arrivals.append(Arrivals(
             buffer.ids[rows], taken,
