@@ -563,6 +563,10 @@ class Evaluator:
     lt = program.setup.local_test
     self.local_tests = [put(tuple(jnp.asarray(a[np.asarray(c.members)])
                                   for a in lt)) for c in self.cohorts]
+    # Without local test splits (--local_test_fraction=0) the per-client
+    # local evaluation would run every client over padding: skip it.
+    self.has_local = [bool(np.any(np.asarray(lt[2])[np.asarray(c.members)]))
+                      for c in self.cohorts]
     self.eval_fns = [jax.jit(functools.partial(evaluate, c.model.apply))
                      for c in self.cohorts]
     self.client_fns = [jax.jit(functools.partial(evaluate_clients,
@@ -606,8 +610,11 @@ class Evaluator:
         own_local.update(values['_own'])
         continue
       test = jax.device_get(self.eval_fns[m.cohort](m.params, *self.test))
-      local = jax.device_get(self.client_fns[m.cohort](
+      local = (jax.device_get(self.client_fns[m.cohort](
           m.params, *self.local_tests[m.cohort]))
+               if self.has_local[m.cohort] else
+               {'count': np.zeros(len(members)),
+                'accuracy': np.zeros(len(members))})
       wanted = set(m.clients) if m.clients is not None else set(members)
       pick = np.array([i in wanted for i in members])
       has = (np.asarray(local['count']) > 0) & pick
@@ -651,8 +658,11 @@ class Evaluator:
              else np.asarray(m.index, np.int32))
     rows_fn = self.rows_fns[m.cohort]
     global_m = jax.device_get(rows_fn(m.params, *self.test))
-    local_m = jax.device_get(self.own_fns[m.cohort](
+    local_m = (jax.device_get(self.own_fns[m.cohort](
         m.params, jnp.asarray(index), self.local_tests[m.cohort]))
+               if self.has_local[m.cohort] else
+               {'count': np.zeros(len(members)),
+                'accuracy': np.zeros(len(members))})
     has = np.asarray(local_m['count']) > 0
     values = {'test_accuracy': float(np.mean(global_m['accuracy'][index])),
               'test_loss': float(np.mean(global_m['loss'][index])),

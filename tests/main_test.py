@@ -287,10 +287,15 @@ class EndToEndTest(IdxDataTestCase):
   def test_fedhan_without_recovery_checkpoints(self):
     # --fedhan_rollback=0 keeps no recovery record; a zero-size one made
     # orbax refuse the first checkpoint.
+    # Also: without local test splits there is no local accuracy (the
+    # per-client local evaluation is skipped, not run over padding).
     summary = train.run(base_config(
         self.data_dir, self.create_tempdir().full_path, method='fedhan',
-        fedhan_rollback=0, clients_per_round=0, num_rounds=2))
+        fedhan_rollback=0, clients_per_round=0, num_rounds=2,
+        local_test_fraction=0.0, transform='width', width_ratios='1,0.71'))
     self.assertEqual(summary['rounds_completed'], 2)
+    self.assertIsNone(summary['final']['local_accuracy'])
+    self.assertTrue(np.isfinite(summary['final']['test_accuracy']))
 
   def test_federaser_forgets_the_attackers_from_the_request_round(self):
     """The FedEraser baseline on width-sliced, delayed clients: told the
