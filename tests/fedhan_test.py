@@ -137,6 +137,41 @@ class CacheTest(absltest.TestCase):
 
 class ClusteringTest(absltest.TestCase):
 
+  def test_compacted_passes_read_only_the_kept_rows(self):
+    """row_dots / weighted_cache over kept rows only equal the dense sums,
+    for kept rows scattered over a cache that is not a multiple of the
+    block, and whatever the skipped rows hold."""
+    rng = np.random.default_rng(5)
+    n, d = 37, 5
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    v = rng.normal(size=d).astype(np.float32)
+    keep = np.zeros(n, bool)
+    keep[[0, 6, 17, 35, 36]] = True
+    x_bad = np.where(keep[:, None], x, np.nan).astype(np.float32)
+    dots = fc.row_dots(jnp.asarray(x_bad), jnp.asarray(v), jnp.asarray(keep),
+                       block=4)
+    np.testing.assert_allclose(dots, np.where(keep, x @ v, 0.0), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(fc.row_dots(jnp.asarray(x), jnp.asarray(v),
+                                           block=8), x @ v, rtol=1e-5,
+                               atol=1e-6)
+    cache = fc.init_cache(n, d)
+    ids = jnp.arange(n, dtype=jnp.int32)
+    cov = rng.random((n, d)) > 0.3
+    cache = fc.receive(cache, ids, jnp.ones(n, bool), jnp.asarray(x),
+                       jnp.asarray(cov), jnp.zeros(n, jnp.int32),
+                       jnp.zeros((n, d)), round_=jnp.int32(1), beta=BETA)
+    got = fc.weighted_cache(cache, jnp.asarray(keep), round_=jnp.int32(3),
+                            beta=BETA, alpha=ALPHA, block=4)
+    # Dense reference: Eq. 5-6 (`weighted`) over the whole cache.
+    want = fc.weighted(cache.gbar, fc.weights_at(cache, jnp.int32(3), BETA),
+                       cache.mask, jnp.asarray(keep), ALPHA)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # By hand: a fresh cache weighs only covered coordinates (beta^2 each).
+    p = np.where(cov, BETA ** 2, 0.0) * keep[:, None]
+    np.testing.assert_allclose(got, (p * x).sum(0) / p.sum(0), rtol=1e-5,
+                               atol=1e-6)
+
   def test_dbscan_matches_numpy_on_fixed_points(self):
     rng = np.random.default_rng(0)
     sets = [
