@@ -542,6 +542,11 @@ def build(config: dict[str, Any]) -> Program:
 # ----------------------------------------------------------------------------
 
 
+def no_local(n: int) -> dict[str, np.ndarray]:
+  """The per-client local metrics of clients without a local test split."""
+  return {'count': np.zeros(n), 'accuracy': np.zeros(n)}
+
+
 class Evaluator:
   """Global, local and backdoor accuracy of every model a method reports.
 
@@ -612,9 +617,7 @@ class Evaluator:
       test = jax.device_get(self.eval_fns[m.cohort](m.params, *self.test))
       local = (jax.device_get(self.client_fns[m.cohort](
           m.params, *self.local_tests[m.cohort]))
-               if self.has_local[m.cohort] else
-               {'count': np.zeros(len(members)),
-                'accuracy': np.zeros(len(members))})
+               if self.has_local[m.cohort] else no_local(len(members)))
       wanted = set(m.clients) if m.clients is not None else set(members)
       pick = np.array([i in wanted for i in members])
       has = (np.asarray(local['count']) > 0) & pick
@@ -660,9 +663,7 @@ class Evaluator:
     global_m = jax.device_get(rows_fn(m.params, *self.test))
     local_m = (jax.device_get(self.own_fns[m.cohort](
         m.params, jnp.asarray(index), self.local_tests[m.cohort]))
-               if self.has_local[m.cohort] else
-               {'count': np.zeros(len(members)),
-                'accuracy': np.zeros(len(members))})
+               if self.has_local[m.cohort] else no_local(len(members)))
     has = np.asarray(local_m['count']) > 0
     values = {'test_accuracy': float(np.mean(global_m['accuracy'][index])),
               'test_loss': float(np.mean(global_m['loss'][index])),

@@ -559,12 +559,13 @@ def make_round_step(method: Method, config: RoundConfig, *,
       # A client's key depends on its id and the round, never on its slot.
       keys = jax.vmap(lambda i: jax.random.key_data(
           jax.random.fold_in(client_key, i)))(ids)
-      if config.train_on_arrival:
+      if delay is not None:   # the started clients are busy until due
         delays = delay_lib.sample_delays(
             jax.random.fold_in(per_cohort(sample_key, j), 0x5EED), ids,
             delay)
         busy_until = busy_until.at[jnp.where(mask, ids, config.num_clients)
                                    ].set(now + delays, mode='drop')
+      if config.train_on_arrival:
         r = config.model_ring()
         ring = jax.tree.map(lambda a, p: a.at[now % r].set(p),
                             pending.models[j], state.params[j])
@@ -619,10 +620,6 @@ def make_round_step(method: Method, config: RoundConfig, *,
                                  jnp.zeros(ids.shape, jnp.int32)))
         arrival_mal.append(is_mal)
         continue
-      delays = delay_lib.sample_delays(
-          jax.random.fold_in(per_cohort(sample_key, j), 0x5EED), ids, delay)
-      rows = jnp.where(mask, ids, config.num_clients)   # masked: dropped
-      busy_until = busy_until.at[rows].set(now + delays, mode='drop')
       buffer = delay_lib.enqueue(pending.buffers[j], now, outputs, ids,
                                  is_mal, delays, mask, delay)
       if config.max_arrivals:

@@ -338,9 +338,8 @@ def eval_models_of(cohorts: tuple[Cohort, ...], bases, trainables
         jnp.asarray(values, jnp.float32))
     # specs are stored as float32, the transform's values as given: match
     # each client to the nearest value.
-    index = np.asarray([int(np.argmin(np.abs(np.asarray(values) -
-                                             c.specs[i])))
-                        for i in c.members], np.int32)
+    index = np.argmin(np.abs(np.asarray(values)[None] - np.asarray(
+        [c.specs[i] for i in c.members])[:, None]), axis=1).astype(np.int32)
     out.append(EvalModel(label, j, widths, clients=c.members,
                          per_client=True, index=index))
     prefix = label + '/' if label else ''
