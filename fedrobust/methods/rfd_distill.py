@@ -46,6 +46,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedrobust.aggregators.finetune import masked_median
 from fedrobust.errors import SettingError
 
 AGGREGATORS = ('mom', 'mean', 'median')
@@ -54,8 +55,7 @@ MMD_MODES = ('mean_var', 'mean', 'none')
 
 class Consensus(NamedTuple):
   """Per-anchor targets for the student, leaves [A, ...]."""
-  logits: jax.Array       # float32[A, C], z~(x)
-  mu: jax.Array           # float32[A, C], mu^(x)
+  logits: jax.Array       # float32[A, C], z~(x), which is also mu^(x)
   var: jax.Array          # float32[A, C], s2^(x) (>= 0)
   weight: jax.Array       # float32[A], w(x) (DIS; 1 when off)
   temperature: jax.Array  # float32[A], T(x) (CAT; T0 when off)
@@ -109,15 +109,6 @@ def group_of(key: jax.Array, mask: jax.Array, groups: int) -> jax.Array:
   return jnp.where(mask, (rank * groups) // n, groups).astype(jnp.int32)
 
 
-def _median_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
-  """Median over axis 0 of x[M, C] among rows where keep[M]; 0 if none."""
-  n = jnp.sum(keep.astype(jnp.int32))
-  s = jnp.sort(jnp.where(keep[:, None], x, jnp.inf), axis=0)
-  lo = jnp.take(s, jnp.maximum((n - 1) // 2, 0), axis=0)
-  hi = jnp.take(s, jnp.maximum(n // 2, 0), axis=0)
-  return jnp.where(n > 0, 0.5 * lo + 0.5 * hi, 0.0)
-
-
 def anchor_consensus(z: jax.Array, mask: jax.Array, group: jax.Array, *,
                      groups: int, temperature: float, kappa: float,
                      tau: float, rho: float, cat: bool = True,
@@ -144,8 +135,8 @@ def anchor_consensus(z: jax.Array, mask: jax.Array, group: jax.Array, *,
   hot = onehot.astype(jnp.float32)
   mean = jnp.einsum('km,kc->mc', hot, z, precision='highest') / denom
   sq = jnp.einsum('km,kc->mc', hot, z * z, precision='highest') / denom
-  logits = _median_rows(mean, present)
-  var = jnp.maximum(_median_rows(sq, present) - logits * logits, 0.0)
+  logits = masked_median(mean, present)
+  var = jnp.maximum(masked_median(sq, present) - logits * logits, 0.0)
   # v(x): the population variance over the non-empty groups, summed over
   # classes.
   m = jnp.maximum(jnp.sum(present.astype(jnp.float32)), 1.0)
@@ -156,7 +147,7 @@ def anchor_consensus(z: jax.Array, mask: jax.Array, group: jax.Array, *,
   confidence = jnp.max(jax.nn.softmax(logits))
   temp = temperature * (1.0 + jnp.where(cat, kappa, 0.0) *
                         jnp.maximum(confidence - tau, 0.0))
-  return Consensus(logits, logits, var, weight, temp, spread)
+  return Consensus(logits, var, weight, temp, spread)
 
 
 def consensus(key: jax.Array, z: jax.Array, mask: jax.Array, *,
@@ -222,7 +213,7 @@ def anchor_loss(student: jax.Array, target: Consensus, *, lam: float = 0.1,
   t = target.temperature
   teacher = jax.nn.softmax(target.logits / t)
   kd = -jnp.sum(teacher * jax.nn.log_softmax(student / t))
-  diff = student - target.mu
+  diff = student - target.logits      # z_W - mu^
   mmd_value = jnp.sum(diff * diff)
   if mmd == 'mean_var':
     gap = diff * diff - target.var
