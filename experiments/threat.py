@@ -23,7 +23,8 @@ class ThreatSetup(NamedTuple):
   threat: Threat | None
   poison: Any                 # DataPoison or None
   aggregator: Any             # Aggregator (the resolved --aggregator)
-  triggered_test: tuple[np.ndarray, np.ndarray] | None
+  # (triggered x, target y, true y, clean x): triggered_test_set's sources.
+  triggered_test: tuple[np.ndarray, ...] | None
   num_malicious: int
   num_byzantine: int
 
@@ -132,7 +133,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
       triggered = attacks.triggered_test_set(
           test_x, test_y, attack, target_label=target, trigger=trigger,
           alpha=config['blend_alpha'], seed=config['seed'],
-          exclude_target=config['backdoor_eval'] == 'exclude_target')
+          exclude_target=config['backdoor_eval'] == 'exclude_target',
+          with_sources=True)
   elif attack in attacks.MODEL_ATTACKS:
     built = attacks.get_model_attack(attack, **kwargs)
     if built.needs_benign and config['attacker_knowledge'] != 'benign_stats':

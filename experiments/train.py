@@ -606,10 +606,18 @@ class Evaluator:
                      for c in self.cohorts]
     self.own_fns = [jax.jit(functools.partial(own, c.model.apply))
                     for c in self.cohorts]
+    # Backdoor sets, each padded [T, B, ...] with its mask: the triggered
+    # inputs against the target (ASR) and against their true labels (RA),
+    # and the same inputs without the trigger against the target (the
+    # clean target rate, the ASR a backdoor-free model already has).
     self.triggered = None
     if program.threat.triggered_test is not None:
-      self.triggered = put(tuple(map(jnp.asarray, pad_to_batches(
-          *program.threat.triggered_test, eval_batch_size))))
+      x, target, true, clean = program.threat.triggered_test
+      self.triggered = {
+          name: put(tuple(map(jnp.asarray, pad_to_batches(
+              xs, ys, eval_batch_size))))
+          for name, xs, ys in (('asr', x, target), ('ra', x, true),
+                               ('clean', clean, target))}
 
   def __call__(self, models) -> dict[str, Any]:
     row: dict[str, Any] = {}
@@ -638,10 +646,10 @@ class Evaluator:
                 'local_accuracy': (float(np.mean(local['accuracy'][has]))
                                    if has.any() else None)}
       if self.triggered is not None:
-        asr = float(self.eval_fns[m.cohort](m.params,
-                                            *self.triggered)['accuracy'])
-        values.update(attack_success_rate=asr, backdoor_failure_rate=1 - asr,
-                      tradeoff_v=(values['test_accuracy'] + 1 - asr) / 2)
+        values.update(self._backdoor(
+            values['test_accuracy'],
+            lambda data, m=m: float(self.eval_fns[m.cohort](
+                m.params, *data)['accuracy'])))
       suffix = f'/{m.label}' if m.label else ''
       row.update({k + suffix: v for k, v in values.items()})
       if m.clients is None:
@@ -654,7 +662,8 @@ class Evaluator:
       share = np.array([len(c.members) for c in self.cohorts], np.float64)
       share /= share.sum()
       for key in ('test_accuracy', 'test_loss', 'attack_success_rate',
-                  'backdoor_failure_rate', 'tradeoff_v'):
+                  'backdoor_failure_rate', 'tradeoff_v', 'robust_accuracy',
+                  'clean_target_rate'):
         if key in per_cohort[0]:
           row[key] = float(sum(s * per_cohort[j][key]
                                for j, s in enumerate(share)))
@@ -684,15 +693,24 @@ class Evaluator:
               '_own': {i: float(a) for i, a, ok in zip(
                   members, np.asarray(local_m['accuracy']), has) if ok}}
     if self.triggered is not None:
-      asr = float(np.mean(np.asarray(jax.device_get(
-          rows_fn(m.params, *self.triggered))['accuracy'])[index]))
-      values.update(attack_success_rate=asr, backdoor_failure_rate=1 - asr,
-                    tradeoff_v=(values['test_accuracy'] + 1 - asr) / 2)
+      values.update(self._backdoor(
+          values['test_accuracy'],
+          lambda data: float(np.mean(np.asarray(jax.device_get(
+              rows_fn(m.params, *data))['accuracy'])[index]))))
     return values
+
+  def _backdoor(self, test_accuracy: float, accuracy) -> dict[str, float]:
+    """ASR, RA and the clean target rate; accuracy(data) -> float."""
+    asr = accuracy(self.triggered['asr'])
+    return dict(attack_success_rate=asr, backdoor_failure_rate=1 - asr,
+                tradeoff_v=(test_accuracy + 1 - asr) / 2,
+                robust_accuracy=accuracy(self.triggered['ra']),
+                clean_target_rate=accuracy(self.triggered['clean']))
 
 
 HEADLINE = ('test_accuracy', 'local_accuracy', 'attack_success_rate',
-            'backdoor_failure_rate', 'tradeoff_v')
+            'backdoor_failure_rate', 'tradeoff_v', 'robust_accuracy',
+            'clean_target_rate')
 
 
 # ----------------------------------------------------------------------------
@@ -938,7 +956,9 @@ def _run_locked(config: dict[str, Any], program: Program,
       if row.get('local_accuracy') is not None:
         line += f" local_acc {_fmt(row['local_accuracy'])}"
       if 'attack_success_rate' in row:
-        line += f" asr {_fmt(row['attack_success_rate'])}"
+        line += (f" asr {_fmt(row['attack_success_rate'])}"
+                 f" ra {_fmt(row['robust_accuracy'])}"
+                 f" clean_target {_fmt(row['clean_target_rate'])}")
       for key in sorted(row):
         if key.startswith('test_accuracy/'):
           line += f" {key.split('/', 1)[1]} {_fmt(row[key])}"
@@ -1064,7 +1084,9 @@ def format_summary(summary: dict[str, Any]) -> str:
            ('local_accuracy', 'local test acc'),
            ('attack_success_rate', 'ASR'),
            ('backdoor_failure_rate', 'R = 1 - ASR'),
-           ('tradeoff_v', 'V = (A + R) / 2'))
+           ('tradeoff_v', 'V = (A + R) / 2'),
+           ('robust_accuracy', 'RA (triggered, true labels)'),
+           ('clean_target_rate', 'clean target rate (ASR floor)'))
   lines = [f"run {summary['status']}: {summary['rounds_completed']} rounds "
            f"in {summary['wall_seconds']:.0f} s"]
   if summary['skipped_rounds']:
@@ -1072,7 +1094,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                  f"non-finite: {summary['skipped_rounds']})")
   for key, label in names:
     if final.get(key) is not None or last5.get(key) is not None:
-      lines.append(f'  {label:<22} final {_fmt(final.get(key))}   last-5 '
+      lines.append(f'  {label:<30} final {_fmt(final.get(key))}   last-5 '
                    f'mean {_fmt(last5.get(key))}')
   files = summary['files']
   lines.append(f"  summary  {files['summary']}")

@@ -108,6 +108,18 @@ class PoisonTest(absltest.TestCase):
     np.testing.assert_array_equal(ty, 2)
     self.assertTrue(np.all(tx[:, :2, :6] == 255))
 
+  def test_triggered_test_set_sources(self):
+    x = np.arange(6 * np.prod(SHAPE), dtype=np.int64).reshape(
+        6, *SHAPE).astype(np.uint8)
+    y = np.array([0, 2, 1, 2, 3, 4], np.int32)
+    tx, ty, true, clean = dp.triggered_test_set(
+        x, y, 'badnets', target_label=2, with_sources=True)
+    np.testing.assert_array_equal(true, [0, 1, 3, 4])
+    np.testing.assert_array_equal(ty, 2)
+    np.testing.assert_array_equal(clean, x[[0, 2, 4, 5]])
+    self.assertFalse(np.array_equal(tx, clean))   # the trigger is on tx only
+    np.testing.assert_array_equal(tx[:, 2:], clean[:, 2:])
+
   def test_registry(self):
     self.assertContainsSubset({'badnets', 'dba', 'blended', 'label_flip',
                                'lie', 'min_max'}, set(attacks.ATTACKS))

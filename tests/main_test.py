@@ -457,6 +457,13 @@ class EndToEndTest(IdxDataTestCase):
       self.assertIn(key, last)
     self.assertAlmostEqual(last['backdoor_failure_rate'],
                            1 - last['attack_success_rate'])
+    # RA counts triggered inputs kept at their true class, so with the
+    # target excluded RA + ASR <= 1 (equal with 2 classes); the clean
+    # target rate is the same inputs without the trigger.
+    for key in ('robust_accuracy', 'clean_target_rate'):
+      self.assertBetween(last[key], 0.0, 1.0)
+    self.assertLessEqual(last['robust_accuracy'] + last['attack_success_rate'],
+                         1.0 + 1e-6)
     # Krum keeps one client, so it excludes 7 of 8 every round.
     self.assertEqual(last['det_tp'] + last['det_fp'], 7.0)
     self.assertEqual(last['cumulative_det_tp'] + last['cumulative_det_fp'],

@@ -250,8 +250,8 @@ def _check_fraction(fraction: float) -> None:
 def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,
                        target_label: int, trigger: Trigger = Trigger(),
                        alpha: float = 0.2, seed: int = 0,
-                       exclude_target: bool = True
-                       ) -> tuple[np.ndarray, np.ndarray]:
+                       exclude_target: bool = True,
+                       with_sources: bool = False) -> tuple[np.ndarray, ...]:
   """Host-side: the test images with the FULL trigger, labelled target.
 
   With exclude_target (default) only images whose true class is not the
@@ -261,10 +261,14 @@ def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,
 
   Returns (x[M', ...] in x's dtype, y = target_label int32[M']); accuracy
   of the global model on it is the attack success rate. 'trigger_token'
-  prepends the trigger token to token ids.
+  prepends the trigger token to token ids. with_sources appends the true
+  labels y[M'] (accuracy against them is the robust accuracy, RA) and the
+  same inputs without the trigger (accuracy of those against the target is
+  the clean target rate: the ASR a model reaches without any backdoor).
   """
   keep = (y != target_label) if exclude_target else np.ones(len(y), bool)
-  x = x[keep].copy()
+  clean, true = x[keep], np.asarray(y[keep], np.int32)
+  x = clean.copy()
   if poison_name == 'trigger_token':
     x = insert_token(x)
   elif poison_name in ('badnets', 'dba'):
@@ -275,4 +279,5 @@ def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,
     x = np.asarray(blend(x, pattern, alpha))
   else:
     raise ValueError(f'{poison_name!r} has no trigger')
-  return x, np.full(len(x), target_label, np.int32)
+  target = np.full(len(x), target_label, np.int32)
+  return (x, target, true, clean) if with_sources else (x, target)
