@@ -23,7 +23,7 @@ class ThreatSetup(NamedTuple):
   threat: Threat | None
   poison: Any                 # DataPoison or None
   aggregator: Any             # Aggregator (the resolved --aggregator)
-  # (triggered x, target y, true y, clean x): triggered_test_set's sources.
+  # (triggered x, target y, true y): triggered_test_set with its sources.
   triggered_test: tuple[np.ndarray, ...] | None
   num_malicious: int
   num_byzantine: int

@@ -51,16 +51,17 @@ from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               evaluate_clients, init_server_state,
                               make_round_step, make_setup_step, parse_delay,
                               sgd)
-from fedrobust.engine.evaluate import pad_to_batches
+from fedrobust.engine.evaluate import backdoor_rates, pad_to_batches
 from fedrobust.local import adamw
 from fedrobust.engine.round import all_finite
 from fedrobust.errors import SettingError
-from fedrobust.methods import METHODS
+from fedrobust.methods import METHODS, fedlora
 from fedrobust.methods.fedavg import parse_share
 from fedrobust.models import (default_compute_dtype, default_conv_impl,
                               get_model)
 from fedrobust.pretrain import pretrain
 from fedrobust.transforms import get_transform
+from fedrobust.transforms.base import get_path
 
 RESUMABLE_KEYS = config_lib.RESUMABLE_KEYS
 EXECUTION_KEYS = config_lib.EXECUTION_KEYS
@@ -314,6 +315,41 @@ def upload_bytes(cohort: Cohort, template: Any) -> dict[str, int]:
       count = int(sum(float(jnp.sum(c)) for c in jax.tree.leaves(cov)))
     out['' if v is None else f'{t.spec_name}={v:g}'] = 4 * count
   return out
+
+
+def lora_communication(method: str, cohort: Cohort, template: Any, *,
+                       anchors: int, classes: int) -> dict[str, Any] | None:
+  """Per-round (upload, download) bytes of one client, by rank, for the
+  federated-LoRA methods (fedlora.communication_bytes; RFD-LoRA Table 2);
+  None for other methods or transforms."""
+  if cohort.transform.name != 'lora' or method not in LORA_COMM_METHODS:
+    return None
+  modules = {p: (int(get_path(template, p)['a'].shape[0]),
+                 int(get_path(template, p)['b'].shape[1]))
+             for p in fedlora.lora_modules(template)}
+  r_max = int(get_path(template, next(iter(modules)))['a'].shape[1])
+  ranks = [int(v) for v in cohort.specs] if cohort.transform.spec_values \
+      else [r_max] * len(cohort.members)
+  # FLoRA's download is the stack of the round's adapters: the mean
+  # client's rank times the clients a round.
+  per_round = (tuple(ranks) if cohort.clients_per_round == len(ranks) else
+               (float(np.mean(ranks)),) * cohort.clients_per_round)
+  out, up, down = {}, [], []
+  for r in sorted(set(ranks)):
+    u, d = fedlora.communication_bytes(
+        method, modules, rank=r, round_ranks=per_round,
+        head=(cohort.model.roles or {}).get('head'), anchors=anchors,
+        classes=classes)
+    out[f'rank={r}'] = {'upload': int(u), 'download': int(d)}
+  for r in ranks:
+    up.append(out[f'rank={r}']['upload'])
+    down.append(out[f'rank={r}']['download'])
+  out['mean'] = {'upload': float(np.mean(up)), 'download': float(np.mean(down))}
+  return out
+
+
+LORA_COMM_METHODS = ('fedavg', 'fedit', 'ffa_lora', 'flora', 'flexlora',
+                     'lora_fair', 'rfd_lora')
 
 
 # ----------------------------------------------------------------------------
@@ -606,18 +642,16 @@ class Evaluator:
                      for c in self.cohorts]
     self.own_fns = [jax.jit(functools.partial(own, c.model.apply))
                     for c in self.cohorts]
-    # Backdoor sets, each padded [T, B, ...] with its mask: the triggered
-    # inputs against the target (ASR) and against their true labels (RA),
-    # and the same inputs without the trigger against the target (the
-    # clean target rate, the ASR a backdoor-free model already has).
+    # The triggered inputs, scored against their true labels: one pass
+    # gives ASR and RA (engine.evaluate's confusion); the clean target rate
+    # comes from the clean test pass.
     self.triggered = None
     if program.threat.triggered_test is not None:
-      x, target, true, clean = program.threat.triggered_test
-      self.triggered = {
-          name: put(tuple(map(jnp.asarray, pad_to_batches(
-              xs, ys, eval_batch_size))))
-          for name, xs, ys in (('asr', x, target), ('ra', x, true),
-                               ('clean', clean, target))}
+      x, target, true = program.threat.triggered_test
+      self.target = int(target[0]) if len(target) else 0
+      self.exclude_target = not np.any(true == self.target)
+      self.triggered = put(tuple(map(jnp.asarray, pad_to_batches(
+          x, true, eval_batch_size))))
 
   def __call__(self, models) -> dict[str, Any]:
     row: dict[str, Any] = {}
@@ -646,10 +680,10 @@ class Evaluator:
                 'local_accuracy': (float(np.mean(local['accuracy'][has]))
                                    if has.any() else None)}
       if self.triggered is not None:
-        values.update(self._backdoor(
-            values['test_accuracy'],
-            lambda data, m=m: float(self.eval_fns[m.cohort](
-                m.params, *data)['accuracy'])))
+        trig = jax.device_get(self.eval_fns[m.cohort](m.params,
+                                                      *self.triggered))
+        values.update(self._backdoor(values['test_accuracy'],
+                                     test['confusion'], trig['confusion']))
       suffix = f'/{m.label}' if m.label else ''
       row.update({k + suffix: v for k, v in values.items()})
       if m.clients is None:
@@ -693,19 +727,22 @@ class Evaluator:
               '_own': {i: float(a) for i, a, ok in zip(
                   members, np.asarray(local_m['accuracy']), has) if ok}}
     if self.triggered is not None:
+      trig = jax.device_get(rows_fn(m.params, *self.triggered))
       values.update(self._backdoor(
           values['test_accuracy'],
-          lambda data: float(np.mean(np.asarray(jax.device_get(
-              rows_fn(m.params, *data))['accuracy'])[index]))))
+          np.asarray(global_m['confusion'])[index],
+          np.asarray(trig['confusion'])[index]))
     return values
 
-  def _backdoor(self, test_accuracy: float, accuracy) -> dict[str, float]:
-    """ASR, RA and the clean target rate; accuracy(data) -> float."""
-    asr = accuracy(self.triggered['asr'])
-    return dict(attack_success_rate=asr, backdoor_failure_rate=1 - asr,
-                tradeoff_v=(test_accuracy + 1 - asr) / 2,
-                robust_accuracy=accuracy(self.triggered['ra']),
-                clean_target_rate=accuracy(self.triggered['clean']))
+  def _backdoor(self, test_accuracy: float, clean, triggered
+                ) -> dict[str, float]:
+    """ASR, RA and the clean target rate (means over leading rows)."""
+    rates = {k: float(np.mean(v)) for k, v in backdoor_rates(
+        clean, triggered, self.target,
+        exclude_target=self.exclude_target).items()}
+    asr = rates['attack_success_rate']
+    return dict(rates, backdoor_failure_rate=1 - asr,
+                tradeoff_v=(test_accuracy + 1 - asr) / 2)
 
 
 HEADLINE = ('test_accuracy', 'local_accuracy', 'attack_success_rate',
@@ -1002,6 +1039,13 @@ def _run_locked(config: dict[str, Any], program: Program,
                                int(np.size(l)) for l in
                                jax.tree.leaves(fresh[j]))}
                   for j, c in enumerate(cohorts)},
+      'communication': {
+          c.name: lora_communication(
+              config['method'], c, template_trainables[j],
+              anchors=int(program.server_data['anchors'].shape[0])
+              if 'anchors' in program.server_data else 0,
+              classes=int(setup.num_classes))
+          for j, c in enumerate(cohorts)},
       'pretrain': pretrain_info,
       'compile_seconds': compile_seconds,
       'flops_per_round': flops_per_round,

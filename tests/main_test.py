@@ -369,6 +369,36 @@ class EndToEndTest(IdxDataTestCase):
         train.run(base_config(self.data_dir,
                               self.create_tempdir().full_path, **config))
 
+  def test_federated_lora_baselines_on_mixed_ranks(self):
+    """FLoRA, FlexLoRA and FFA-LoRA run on one round of ranks {1, 2, 4}
+    (RFD-LoRA's acceptance: the rank mix under FlexLoRA and FLoRA), and
+    the summary counts each method's bytes (fedlora.communication_bytes)."""
+    lora = dict(clients_per_round=0, transform='lora', lora_ranks='1,2,4',
+                lora_targets='first,head', num_rounds=1,
+                global_test_per_class=5)
+    comm = {}
+    for method in ('flora', 'flexlora', 'ffa_lora'):
+      summary = train.run(base_config(
+          self.data_dir, self.create_tempdir().full_path,
+          **dict(lora, method=method)))
+      self.assertEqual(summary['status'], 'completed', method)
+      self.assertTrue(np.isfinite(summary['final']['test_accuracy']))
+      (comm[method],) = summary['communication'].values()
+    # mlp: first 784 -> 200, head 200 -> 10; the clients' ranks 1, 2, 4.
+    full = lambda r: r * (784 + 200 + 200 + 10) * 4
+    self.assertEqual(comm['flexlora']['rank=2'],
+                     {'upload': full(2), 'download': full(2)})
+    # FLoRA downloads the stack of the round's adapters, the same for
+    # every client: the 4 clients' ranks sum to between 1 + 2 + 4 and 16.
+    stack = comm['flora']['rank=1']['download']
+    self.assertEqual(comm['flora']['rank=4']['download'], stack)
+    self.assertEqual(stack % full(1), 0)
+    self.assertBetween(stack // full(1), 7, 16)
+    self.assertEqual(comm['flora']['rank=4']['upload'], full(4))
+    # FFA-LoRA sends b only, and a on the head.
+    self.assertEqual(comm['ffa_lora']['rank=4']['upload'],
+                     4 * (200 + 200 + 10) * 4)
+
   def test_horus_and_a_baseline_share_the_lora_pipeline(self):
     horus = dict(method='horus', cohorts='mlp:0.5,row_lstm:0.5',
                  clients_per_round=0, transform='lora',

@@ -32,7 +32,8 @@ from fedrobust.types import Arrivals, LocalData
 from tests.engine_test import IMAGE, NUM_CLASSES, toy_data
 
 K = 4
-LORA_ONLY = ('fedit', 'rfd_lora')     # methods that need the LoRA transform
+LORA_ONLY = ('fedit', 'ffa_lora', 'flexlora', 'flora', 'lora_fair',
+             'rfd_lora')     # methods that need the LoRA transform
 CASES = [(name, 'plain') for name in sorted(METHODS)] + [
     ('fedavg', 'delay'), ('fedavg', 'lazy'), ('fedavg', 'lora')]
 

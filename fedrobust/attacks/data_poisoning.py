@@ -261,14 +261,13 @@ def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,
 
   Returns (x[M', ...] in x's dtype, y = target_label int32[M']); accuracy
   of the global model on it is the attack success rate. 'trigger_token'
-  prepends the trigger token to token ids. with_sources appends the true
-  labels y[M'] (accuracy against them is the robust accuracy, RA) and the
-  same inputs without the trigger (accuracy of those against the target is
-  the clean target rate: the ASR a model reaches without any backdoor).
+  prepends the trigger token to token ids. with_sources appends the
+  inputs' true labels y[M'] (accuracy against them is the robust
+  accuracy, RA).
   """
   keep = (y != target_label) if exclude_target else np.ones(len(y), bool)
-  clean, true = x[keep], np.asarray(y[keep], np.int32)
-  x = clean.copy()
+  true = np.asarray(y[keep], np.int32)
+  x = x[keep].copy()
   if poison_name == 'trigger_token':
     x = insert_token(x)
   elif poison_name in ('badnets', 'dba'):
@@ -280,4 +279,4 @@ def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,
   else:
     raise ValueError(f'{poison_name!r} has no trigger')
   target = np.full(len(x), target_label, np.int32)
-  return (x, target, true, clean) if with_sources else (x, target)
+  return (x, target, true) if with_sources else (x, target)

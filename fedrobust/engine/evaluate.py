@@ -38,20 +38,52 @@ def evaluate(apply_fn: Callable, params: Params, x: jax.Array, y: jax.Array,
     mask: bool[T, B].
 
   Returns:
-    {'accuracy', 'loss', 'count'} float32 scalars.
+    {'accuracy', 'loss', 'count'} float32 scalars and 'confusion'
+    float32[C, C]: counts of (true class, predicted class).
   """
   def batch_stats(batch):
     xb, yb, mb = batch
     logits = apply_fn(params, xb)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
-    correct = jnp.argmax(logits, -1) == yb
-    return (jnp.sum(jnp.where(mb, correct, False)).astype(jnp.float32),
-            jnp.sum(jnp.where(mb, ce, 0.0)), jnp.sum(mb).astype(jnp.float32))
+    pred = jnp.argmax(logits, -1)
+    c = logits.shape[-1]
+    confusion = jnp.einsum(
+        'bi,bj->ij', jax.nn.one_hot(yb, c) * mb[:, None],
+        jax.nn.one_hot(pred, c))
+    return (jnp.sum(jnp.where(mb, pred == yb, False)).astype(jnp.float32),
+            jnp.sum(jnp.where(mb, ce, 0.0)), jnp.sum(mb).astype(jnp.float32),
+            confusion)
 
-  correct, loss, count = jax.lax.map(batch_stats, (x, y, mask))
+  correct, loss, count, confusion = jax.lax.map(batch_stats, (x, y, mask))
   n = jnp.maximum(jnp.sum(count), 1.0)
   return {'accuracy': jnp.sum(correct) / n, 'loss': jnp.sum(loss) / n,
-          'count': jnp.sum(count)}
+          'count': jnp.sum(count), 'confusion': jnp.sum(confusion, 0)}
+
+
+def backdoor_rates(clean: np.ndarray, triggered: np.ndarray, target: int, *,
+                   exclude_target: bool = True) -> dict[str, np.ndarray]:
+  """Backdoor metrics from confusion matrices [..., C, C] (true, predicted).
+
+  clean: the clean test set's; triggered: the triggered test set's, scored
+  against the inputs' TRUE labels. Returns float arrays [...]:
+    attack_success_rate  triggered inputs predicted as the target;
+    robust_accuracy      triggered inputs predicted as their true class (RA);
+    clean_target_rate    the same clean inputs predicted as the target: the
+                         ASR a model without any backdoor already has.
+  exclude_target drops true-target rows from the clean rate, as the
+  triggered set does (attacks.triggered_test_set).
+  """
+  clean = np.asarray(clean, np.float64)
+  triggered = np.asarray(triggered, np.float64)
+  rows = np.ones(clean.shape[-1], bool)
+  if exclude_target:
+    rows[target] = False
+  n_trig = np.maximum(triggered.sum((-2, -1)), 1.0)
+  n_clean = np.maximum(clean[..., rows, :].sum((-2, -1)), 1.0)
+  return {
+      'attack_success_rate': triggered[..., :, target].sum(-1) / n_trig,
+      'robust_accuracy': np.trace(triggered, axis1=-2, axis2=-1) / n_trig,
+      'clean_target_rate': clean[..., rows, target].sum(-1) / n_clean}
 
 
 def evaluate_clients(apply_fn: Callable, params: Params, x: jax.Array,

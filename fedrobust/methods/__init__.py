@@ -8,7 +8,8 @@ from fedrobust.methods.base import SERVER_DATA, MethodSpec
 from fedrobust.methods.fedala import FEDALA, fedala
 from fedrobust.methods.fedavg import FEDAVG, FEDPROX, fedavg
 from fedrobust.methods.fedhan import FEDHAN, fedhan
-from fedrobust.methods.fedlora import FEDIT, fedit
+from fedrobust.methods.fedlora import (FEDIT, FFA_LORA, FLEXLORA, FLORA,
+                                      LORA_FAIR, fedit)
 from fedrobust.methods.horus import HORUS, horus
 from fedrobust.methods.rfd_lora import RFD_LORA, rfd_lora
 from fedrobust.methods.sdfc import SDFC, sdfc
@@ -20,7 +21,11 @@ METHODS: dict[str, MethodSpec] = {
     'fedhan': FEDHAN,
     'fedit': FEDIT,
     'fedprox': FEDPROX,
+    'ffa_lora': FFA_LORA,
+    'flexlora': FLEXLORA,
+    'flora': FLORA,
     'horus': HORUS,
+    'lora_fair': LORA_FAIR,
     'rfd_lora': RFD_LORA,
     'sdfc': SDFC,
 }

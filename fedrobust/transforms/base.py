@@ -41,6 +41,9 @@ class Transform(NamedTuple):
   merge: Callable[[Params, Params, jax.Array], Params]
   spec_values: tuple[float, ...] = ()   # the distinct per-client specs
   spec_name: str = ''                   # 'rank', 'ratio' or ''
+  # LoRA only: spec (a client's rank, or None for the global adapter) ->
+  # the scale s with W' = W + s a b (alpha / r).
+  factor_scale: Callable[[Any], Any] | None = None
 
 
 def masked(tree: Params, coverage: Params | None) -> Params:

@@ -118,7 +118,7 @@ def lora(model, *, ranks: tuple[int, ...] = (8,), alpha: float = 0.0,
 
   return Transform('lora', init, coverage, apply, merge,
                    spec_values=tuple(float(r) for r in sorted(set(ranks))),
-                   spec_name='rank')
+                   spec_name='rank', factor_scale=scale)
 
 
 def lora_paths(model, targets: tuple[str, ...]) -> list[str]:
