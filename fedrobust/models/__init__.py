@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.errors import SettingError
-from fedrobust.models import zoo
+from fedrobust.models import vit, zoo
 from fedrobust.models.pipelines import PIPELINES, get_pipeline
 from fedrobust.models.layers import (COMPUTE_DTYPES, CONV_IMPLS,
                                      default_compute_dtype, default_conv_impl)
@@ -29,6 +29,9 @@ MODELS: dict[str, type] = {
     # --text) on int32 token ids [L]: built by _text_model.
     'minilm': TEXT_MODEL,
     'mlp': zoo.MLP,
+    # A small ViT (fedrobust.models.vit) for the LoRA methods' vision
+    # variants, trained in the project (no pretrained checkpoint).
+    'vit': vit.ViT,
 }
 
 
