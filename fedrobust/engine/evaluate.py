@@ -68,8 +68,12 @@ def backdoor_rates(clean: np.ndarray, triggered: np.ndarray, target: int, *,
   against the inputs' TRUE labels. Returns float arrays [...]:
     attack_success_rate  triggered inputs predicted as the target;
     robust_accuracy      triggered inputs predicted as their true class (RA);
-    clean_target_rate    the same clean inputs predicted as the target: the
-                         ASR a model without any backdoor already has.
+    clean_target_rate    clean test inputs predicted as the target: the ASR
+                         a model without any backdoor already has. It is
+                         estimated on the clean test set's rows (the
+                         runner's evaluation sample), which are a sample of
+                         the inputs the triggered set is built from (the
+                         whole test split), so no extra pass is needed.
   exclude_target drops true-target rows from the clean rate, as the
   triggered set does (attacks.triggered_test_set).
   """
