@@ -35,7 +35,9 @@ K = 4
 LORA_ONLY = ('fedit', 'ffa_lora', 'flexlora', 'flora', 'lora_fair',
              'rfd_lora')     # methods that need the LoRA transform
 CASES = [(name, 'plain') for name in sorted(METHODS)] + [
-    ('fedavg', 'delay'), ('fedavg', 'lazy'), ('fedavg', 'lora')]
+    ('fedavg', 'delay'), ('fedavg', 'lazy'), ('fedavg', 'lora'),
+    # One LoRA rank for every client (the transform's scale is a scalar).
+    ('lora_fair', 'rank2'), ('flexlora', 'rank2')]
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,7 +45,10 @@ def case(name, variant):
   """(method, jitted round, initial state, data, server_data)."""
   model = models.get_model('mlp', num_classes=NUM_CLASSES,
                            input_shape=IMAGE, hidden=(5,))
-  if variant == 'lora' or name in LORA_ONLY:
+  if variant == 'rank2':
+    transform = lora(model, ranks=(2,), targets=('all',))
+    specs = (2.0,) * K
+  elif variant == 'lora' or name in LORA_ONLY:
     transform = lora(model, ranks=(1, 2), targets=('all',))
     specs = (1.0, 2.0, 2.0, 1.0)
   else:

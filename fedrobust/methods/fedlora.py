@@ -337,8 +337,11 @@ def lora_fair(*, lam: float = 0.01, steps: int = 100, lr: float = 0.01,
                          state.params[0], arr.outputs.delta)
     final = jax.tree.map(jnp.add, masked(start, arr.outputs.coverage),
                          arr.outputs.delta)
-    client_scale = (scale(specs[arr.ids]) if specs is not None
-                    else jnp.full(arr.ids.shape, scale(None)))
+    # One scale per arrival (the transform returns a scalar when every
+    # client has the same rank).
+    client_scale = jnp.broadcast_to(
+        scale(specs[arr.ids]) if specs is not None else scale(None),
+        arr.ids.shape)
     per = jax.vmap(products)(final, client_scale)
     # Masked slots hold anything (NaN included): select, never multiply.
     w = jnp.where(arr.mask, info['weights'][0] if 'weights' in info
