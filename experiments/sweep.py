@@ -5,7 +5,8 @@ r"""Runs a grid of experiments/main.py invocations and tabulates them.
     --grid='aggregator=weighted_mean,median,krum' \
     --metrics=test_accuracy,attack_success_rate
 
-Grid syntax: 'flag=v1,v2;flag2=v3,v4' (cartesian product). An axis named
+Grid syntax: 'flag=v1,v2;flag2=v3,v4' (cartesian product); products
+joined by '|' are run as their union. An axis named
 in the --axes JSON file is a named axis: each of its values stands for a
 list of flags, so one axis can mix methods and aggregators, e.g.
 {"defense": {"SDFC": {"flags": ["--method=sdfc"], "paper": "SDFC"},
@@ -73,17 +74,32 @@ FLAGS = flags.FLAGS
 
 
 def parse_grid(text: str) -> list[dict[str, str]]:
-  """'a=1,2;b=x' -> [{'a': '1', 'b': 'x'}, {'a': '2', 'b': 'x'}]."""
-  axes = []
-  for part in filter(None, (p.strip() for p in text.split(';'))):
-    if '=' not in part:
-      raise ValueError(f'--grid part {part!r} is not flag=v1,v2')
-    key, values = part.split('=', 1)
-    axes.append((key.strip().lstrip('-'),
-                 [v.strip() for v in values.split(',')]))
-  keys = [k for k, _ in axes]
-  return [dict(zip(keys, combo))
-          for combo in itertools.product(*(v for _, v in axes))]
+  """'a=1,2;b=x' -> [{'a': '1', 'b': 'x'}, {'a': '2', 'b': 'x'}].
+
+  Products joined by '|' form a union, e.g. 'a=1,2;b=x | a=1;b=y' runs
+  three cells. Every product must name the same flags in the same order.
+  """
+  cells = []
+  first_keys = None
+  for term in text.split('|'):
+    axes = []
+    for part in filter(None, (p.strip() for p in term.split(';'))):
+      if '=' not in part:
+        raise ValueError(f'--grid part {part!r} is not flag=v1,v2')
+      key, values = part.split('=', 1)
+      axes.append((key.strip().lstrip('-'),
+                   [v.strip() for v in values.split(',')]))
+    keys = [k for k, _ in axes]
+    if first_keys is None:
+      first_keys = keys
+    elif keys != first_keys:
+      raise ValueError(f'--grid: every |-joined product must name the flags '
+                       f'{first_keys} in that order, got {keys}')
+    for combo in itertools.product(*(v for _, v in axes)):
+      cell = dict(zip(keys, combo))
+      if cell not in cells:
+        cells.append(cell)
+  return cells
 
 
 def load_axes(path: str | None) -> dict[str, dict[str, dict]]:

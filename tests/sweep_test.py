@@ -25,6 +25,14 @@ def test_named_axis_expands_to_its_flags():
     sweep.cell_flags({'defense': 'Krum'}, AXES)
 
 
+def test_grid_union_of_products_in_order_without_repeats():
+  cells = sweep.parse_grid('m=A,B;rho=0.3 | m=A;rho=0.1,0.3')
+  assert cells == [{'m': 'A', 'rho': '0.3'}, {'m': 'B', 'rho': '0.3'},
+                   {'m': 'A', 'rho': '0.1'}]
+  with pytest.raises(ValueError, match='must name the flags'):
+    sweep.parse_grid('m=A;rho=0.3 | rho=0.1;m=A')
+
+
 def test_load_axes_rejects_a_value_without_flags(tmp_path):
   path = tmp_path / 'axes.json'
   path.write_text(json.dumps({'defense': {'X': {'paper': 'X'}}}))
