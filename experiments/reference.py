@@ -1,8 +1,10 @@
-"""The seed papers' reported Fashion-MNIST numbers, joined to our runs.
+"""The seed papers' reported numbers, joined to our runs.
 
 `experiments/reference/paper_results.csv` is a copy of the project's
-reference file (rows: paper, table, method, setting, metric, value; a
-metric such as 'A/R/V' packs several values as '85.10/91.13/88.11').
+reference file of Fashion-MNIST numbers (rows: paper, table, method,
+setting, metric, value; a metric such as 'A/R/V' packs several values as
+'85.10/91.13/88.11'). RFD-LoRA reports GLUE only; its rows are in
+`rfd_lora_glue.csv`, in the same format (`PATHS`).
 
 A run is matched to a row by its paper-side method name (given per sweep
 cell, see sweep.py --axes) and by a setting string built from the run's own
@@ -14,13 +16,17 @@ from __future__ import annotations
 import csv
 import os
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'reference',
-                    'paper_results.csv')
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'reference')
+PATH = os.path.join(_DIR, 'paper_results.csv')
+# Papers whose rows live in a file of their own.
+PATHS = {'RFD-LoRA': os.path.join(_DIR, 'rfd_lora_glue.csv')}
 
 # Paper metric name -> the metrics.jsonl key it corresponds to.
 METRIC_KEYS = {'A': 'test_accuracy', 'R': 'backdoor_failure_rate',
                'V': 'tradeoff_v', 'acc': 'test_accuracy',
-               'global_acc': 'test_accuracy', 'local': 'local_accuracy'}
+               'global_acc': 'test_accuracy', 'local': 'local_accuracy',
+               'CA': 'test_accuracy', 'RA': 'robust_accuracy',
+               'ASR': 'attack_success_rate'}
 
 # Tables whose single metric packs one value per column of a setting:
 # (paper, table) -> (the column's name in the setting string, its values).
@@ -48,13 +54,25 @@ def _horus_setting(config: dict) -> str:
   return f"{attack} alpha={config['dirichlet_alpha']:g}"
 
 
+def _rfd_lora_setting(config: dict) -> str:
+  skew = 'IID' if config['partition'] == 'iid' else 'non-IID'
+  return f"{skew} rho={config['malicious_fraction']:.2f}"
+
+
 # paper -> config -> the paper's setting string.
-SETTINGS = {'SDFC': _sdfc_setting, 'Horus': _horus_setting}
+SETTINGS = {'SDFC': _sdfc_setting, 'Horus': _horus_setting,
+            'RFD-LoRA': _rfd_lora_setting}
 
 
-def load(paper: str, table: str, path: str = PATH
+def path_of(paper: str) -> str:
+  """The reference file that holds `paper`'s rows."""
+  return PATHS.get(paper, PATH)
+
+
+def load(paper: str, table: str, path: str | None = None
          ) -> dict[tuple[str, str], dict[str, float]]:
   """{(method, setting): {our metric key: value in [0, 1]}}."""
+  path = path or path_of(paper)
   out: dict[tuple[str, str], dict[str, float]] = {}
   with open(path) as f:
     rows = csv.reader(line for line in f if not line.startswith('#'))

@@ -133,10 +133,13 @@ def cell_flags(cell: dict[str, str], axes: dict[str, dict[str, dict]]
 
 def paper_name(cell: dict[str, str], axes: dict[str, dict[str, dict]]
                ) -> str | None:
+  """The paper's name for a cell: that of its last named axis that has one
+  (a variant axis after a method axis names the variant)."""
+  name = None
   for key, value in cell.items():
     if key in axes and 'paper' in axes[key].get(value, {}):
-      return axes[key][value]['paper']
-  return None
+      name = axes[key][value]['paper']
+  return name
 
 
 def cell_name(cell: dict[str, str]) -> str:
@@ -271,8 +274,9 @@ def write_outputs(name: str, results: list[dict], keys: list[str],
             + (', bytes per client per round' if set(metrics) & set(
                 SUMMARY_METRICS) else '')
             + (f'; paper_* columns: {FLAGS.reference} of '
-               'experiments/reference/paper_results.csv' if with_paper
-               else '') + ' -->\n')
+               + os.path.relpath(reference.path_of(
+                   FLAGS.reference.partition(':')[0]), ROOT)
+               if with_paper else '') + ' -->\n')
     f.write('\n'.join(lines) + '\n')
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')

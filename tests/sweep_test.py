@@ -108,3 +108,24 @@ def test_upload_bytes_is_the_client_weighted_mean_over_cohorts(tmp_path):
   os.remove(tmp_path / 'summary.json')
   assert sweep.read_final(str(tmp_path), ['upload_bytes'], 1) == {
       'upload_bytes': None}
+
+
+def test_rfd_lora_reference_and_the_variant_names_the_paper_row():
+  axes = sweep.load_axes(os.path.join(sweep.ROOT, 'experiments', 'sweeps',
+                                      'rfd_lora.json'))
+  cell = {'method': 'RFD-LoRA', 'variant': 'consensus: median'}
+  assert sweep.paper_name(cell, axes) == 'Coord. Median'
+  assert sweep.paper_name({'method': 'FedIT'}, axes) == 'FedIT'
+  config = {'partition': 'iid', 'malicious_fraction': 0.3}
+  assert reference.setting_of('RFD-LoRA', config) == 'IID rho=0.30'
+  table1 = reference.load('RFD-LoRA', 'Table1')
+  row = table1[('LoRA-Fair', 'IID rho=0.30')]
+  assert row == pytest.approx({'test_accuracy': 0.897,
+                               'robust_accuracy': 0.833,
+                               'attack_success_rate': 0.189})
+  non_iid = dict(config, partition='dirichlet', malicious_fraction=0.1)
+  assert table1[('RFD-LoRA', reference.setting_of('RFD-LoRA', non_iid))][
+      'attack_success_rate'] == pytest.approx(0.064)
+  table3 = reference.load('RFD-LoRA', 'Table3')
+  assert table3[('Coord. Median', 'IID rho=0.30')][
+      'attack_success_rate'] == pytest.approx(0.162)
