@@ -77,7 +77,10 @@ def load(paper: str, table: str, path: str | None = None
   with open(path) as f:
     rows = csv.reader(line for line in f if not line.startswith('#'))
     for row in rows:
-      if len(row) != 6 or row[0] != paper or row[1] != table:
+      if len(row) != 6:
+        raise ValueError(f'{path}: {row!r} is not paper,table,method,'
+                         'setting,metric,value (quote a name with commas)')
+      if row[0] != paper or row[1] != table:
         continue
       _, _, method, setting, metric, value = row
       names, values = metric.split('/'), value.split('/')
