@@ -44,16 +44,18 @@ class PartitionTest(parameterized.TestCase):
   @parameterized.parameters(*sorted(partition.PARTITIONERS))
   def test_covers_each_index_once(self, name):
     labels = _balanced_labels(10, 97)
-    parts = partition.partition(name, labels, 23, seed=0)
+    parts = partition.partition(name, labels, 23, seed=0,
+                                groups=_two_groups(labels))
     self.assertLen(parts, 23)
     _assert_partition(self, parts, len(labels))
 
   @parameterized.parameters(*sorted(partition.PARTITIONERS))
   def test_deterministic_in_seed(self, name):
     labels = _balanced_labels(10, 100)
-    a = partition.partition(name, labels, 17, seed=3)
-    b = partition.partition(name, labels, 17, seed=3)
-    c = partition.partition(name, labels, 17, seed=4)
+    groups = _two_groups(labels)
+    a = partition.partition(name, labels, 17, seed=3, groups=groups)
+    b = partition.partition(name, labels, 17, seed=3, groups=groups)
+    c = partition.partition(name, labels, 17, seed=4, groups=groups)
     for pa, pb in zip(a, b):
       np.testing.assert_array_equal(pa, pb)
     self.assertFalse(all(np.array_equal(pa, pc) for pa, pc in zip(a, c)))
@@ -61,7 +63,8 @@ class PartitionTest(parameterized.TestCase):
   @parameterized.parameters(*sorted(partition.PARTITIONERS))
   def test_single_client_gets_everything(self, name):
     labels = _balanced_labels(10, 10)
-    parts = partition.partition(name, labels, 1, seed=0, classes_per_client=10)
+    parts = partition.partition(name, labels, 1, seed=0, classes_per_client=10,
+                                groups=np.zeros_like(labels))
     np.testing.assert_array_equal(parts[0], np.arange(len(labels)))
 
   def test_iid_sizes_near_equal(self):
@@ -89,6 +92,34 @@ class PartitionTest(parameterized.TestCase):
     hist = partition.class_histograms(labels, parts, 4)
     self.assertEqual(hist.dtype, np.int64)
     np.testing.assert_array_equal(hist, [[1, 0, 1, 0], [0, 2, 2, 0]])
+
+
+def _two_groups(labels):
+  return (np.arange(len(labels)) % 2).astype(np.int64)
+
+
+class GroupDirichletTest(absltest.TestCase):
+
+  def test_each_client_holds_one_group_with_skewed_labels(self):
+    labels = _balanced_labels(2, 2000)
+    groups = np.repeat(np.arange(4), len(labels) // 4)
+    parts = partition.partition('group_dirichlet', labels, 10, seed=0,
+                                groups=groups, dirichlet_alpha=0.6)
+    _assert_partition(self, parts, len(labels))
+    owner = partition.group_of_clients(10, 4)
+    np.testing.assert_array_equal(owner, [0, 0, 0, 1, 1, 1, 2, 2, 3, 3])
+    for k, part in enumerate(parts):
+      self.assertEqual(set(groups[part]), {owner[k]})
+    shares = [labels[p].mean() for p in parts]
+    self.assertGreater(np.ptp(shares), 0.3)    # label skew within groups
+
+  def test_needs_groups_and_a_client_per_group(self):
+    labels = _balanced_labels(2, 40)
+    with self.assertRaisesRegex(ValueError, 'vader_domains'):
+      partition.partition('group_dirichlet', labels, 4, seed=0)
+    with self.assertRaisesRegex(ValueError, 'num_clients=2'):
+      partition.partition('group_dirichlet', labels, 2, seed=0,
+                          groups=np.arange(len(labels)) % 4)
 
 
 class DirichletTest(parameterized.TestCase):
@@ -458,7 +489,7 @@ class RegistryTest(absltest.TestCase):
         set(sources.DATASETS),
         {'fashion_mnist', 'idx', 'mnist', 'cifar10', 'cifar100',
          'tfds_fashion_mnist', 'vader_movies', 'vader_tweets',
-         'vader_amazon', 'vader_nyt'})
+         'vader_amazon', 'vader_nyt', 'vader_domains'})
 
   def test_unknown_dataset(self):
     with self.assertRaisesRegex(ValueError, 'dataset.*fashion_mnist'):

@@ -233,6 +233,18 @@ class RealVaderTest(absltest.TestCase):
       np.testing.assert_array_equal(ds.labels, (ds.ratings > 0))
       self.assertTrue(np.all(np.abs(ds.ratings) <= 4))
 
+  def test_all_domains_with_groups(self):
+    ds = text.vader_dataset('all', _real_vader_dir())
+    self.assertEqual(ds.name, 'vader_domains')
+    sizes = [pos + neg for total, pos, neg, zero in _REAL_COUNTS.values()]
+    counts = (np.bincount(ds.train_groups, minlength=4)
+              + np.bincount(ds.test_groups, minlength=4))
+    np.testing.assert_array_equal(counts, sizes)
+    self.assertEqual(list(_REAL_COUNTS), list(text.VADER_DOMAINS))
+    amazon = text.vader_dataset('amazon', _real_vader_dir())
+    np.testing.assert_array_equal(ds.test_x[ds.test_groups == 2],
+                                  amazon.test_x)
+
   def test_first_movie_snippet(self):
     ds = text.load_vader('movies', _real_vader_dir())
     self.assertEqual(ds.ids[0], '1')

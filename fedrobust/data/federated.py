@@ -39,6 +39,9 @@ class FederatedSetup(NamedTuple):
   histograms: np.ndarray    # int64[K, classes], training examples per class
   num_classes: int
   input_shape: tuple[int, ...]
+  # int64[K]: each client's majority example group (its domain under
+  # 'group_dirichlet'), the true clusters; None without groups.
+  client_groups: np.ndarray | None = None
 
 
 def stack_clients(x: np.ndarray, y: np.ndarray,
@@ -84,8 +87,10 @@ def subsample(dataset: Dataset, max_train_examples: int,
     return dataset
   keep = np.sort(np.random.default_rng(seed).choice(
       len(dataset.train_y), max_train_examples, replace=False))
+  groups = dataset.train_groups
   return dataset._replace(train_x=dataset.train_x[keep],
-                          train_y=dataset.train_y[keep])
+                          train_y=dataset.train_y[keep],
+                          train_groups=None if groups is None else groups[keep])
 
 
 def build_federated_setup(dataset: Dataset, *, num_clients: int,
@@ -111,11 +116,15 @@ def build_federated_setup(dataset: Dataset, *, num_clients: int,
                               validation_size=validation_size,
                               public_size=public_size, seed=seed)
   pool = server.client_pool
+  groups = dataset.train_groups
   parts = partition(partition_name, dataset.train_y[pool], num_clients,
                     seed=seed, dirichlet_alpha=dirichlet_alpha,
                     classes_per_client=classes_per_client,
-                    quantity_alpha=quantity_alpha)
+                    quantity_alpha=quantity_alpha,
+                    groups=None if groups is None else groups[pool])
   parts = [pool[p] for p in parts]
+  client_groups = None if groups is None else np.array(
+      [np.bincount(groups[p]).argmax() if len(p) else -1 for p in parts])
   train_parts, test_parts = local_train_test_split(
       parts, test_fraction=local_test_fraction, seed=seed)
   y = dataset.train_y.astype(np.int32)
@@ -143,4 +152,5 @@ def build_federated_setup(dataset: Dataset, *, num_clients: int,
       public_y=y[server.public],
       histograms=class_histograms(y, train_parts, dataset.num_classes),
       num_classes=dataset.num_classes,
-      input_shape=tuple(dataset.train_x.shape[1:]))
+      input_shape=tuple(dataset.train_x.shape[1:]),
+      client_groups=client_groups)

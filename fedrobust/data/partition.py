@@ -301,9 +301,67 @@ def quantity_skew(
   return _as_parts(np.split(perm, np.cumsum(sizes)[:-1]))
 
 
+def group_of_clients(num_clients: int, num_groups: int) -> np.ndarray:
+  """int64 [num_clients]: the group each client of `group_dirichlet` holds,
+  in contiguous blocks as equal as possible (extras to the first groups)."""
+  sizes = np.full(num_groups, num_clients // num_groups)
+  sizes[:num_clients % num_groups] += 1
+  return np.repeat(np.arange(num_groups), sizes)
+
+
+def group_dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    *,
+    groups: np.ndarray | None,
+    alpha: float,
+    seed: int,
+    min_size: int = 1,
+) -> list[np.ndarray]:
+  """Clients spread over groups (domains), Dirichlet labels inside each.
+
+  The clients are dealt to the groups by `group_of_clients`; each group's
+  examples are split over its clients by `dirichlet` with `alpha`
+  (HiLoRA's DomainNet setting: one domain per client, intra-domain label
+  sampling Dir(0.6)). The true cluster of client k is
+  `group_of_clients(num_clients, G)[k]`.
+
+  Args:
+    labels: int `[N]` labels.
+    num_clients: Number of clients, at least the number of groups G.
+    groups: int `[N]` group of each example, in `[0, G)`.
+    alpha: Dirichlet concentration within a group, > 0.
+    seed: Random seed.
+    min_size: Minimum number of examples per client.
+  """
+  labels = _check_labels(labels)
+  if groups is None:
+    raise SettingError('partition', 'group_dirichlet deals clients by the '
+                       "examples' groups, and this dataset has none (use "
+                       'vader_domains)')
+  groups = _check_labels(groups)
+  if groups.shape != labels.shape:
+    raise ValueError(f'groups {groups.shape} must match labels '
+                     f'{labels.shape}')
+  num_groups = int(groups.max()) + 1
+  if num_clients < num_groups:
+    raise SettingError('num_clients', f'group_dirichlet needs at least one '
+                       f'client per group: {num_groups} groups, got '
+                       f'num_clients={num_clients}')
+  owner = group_of_clients(num_clients, num_groups)
+  parts = []
+  for g in range(num_groups):
+    rows = np.flatnonzero(groups == g)
+    for part in dirichlet(labels[rows], int(np.sum(owner == g)), alpha=alpha,
+                          seed=seed + 7919 * g, min_size=min_size):
+      parts.append(rows[part])
+  return _as_parts(parts)
+
+
 PARTITIONERS: dict[str, Partitioner] = {
     'iid': iid,
     'dirichlet': dirichlet,
+    'group_dirichlet': group_dirichlet,
     'pathological': pathological,
     'quantity_skew': quantity_skew,
 }
@@ -319,6 +377,7 @@ def partition(
     classes_per_client: int = 2,
     quantity_alpha: float = 0.5,
     min_size: int = 1,
+    groups: np.ndarray | None = None,
 ) -> list[np.ndarray]:
   """Partitions `labels` among `num_clients` clients with a named scheme.
 
@@ -331,6 +390,8 @@ def partition(
     classes_per_client: `classes_per_client` for 'pathological'.
     quantity_alpha: `alpha` for 'quantity_skew'.
     min_size: `min_size` for 'dirichlet' and 'quantity_skew'.
+    groups: int `[N]` example groups for 'group_dirichlet' (which also
+      takes `dirichlet_alpha`).
 
   Returns:
     `num_clients` sorted int64 index arrays forming a partition of
@@ -349,6 +410,10 @@ def partition(
   if name == 'dirichlet':
     return dirichlet(labels, num_clients, alpha=dirichlet_alpha, seed=seed,
                      min_size=min_size)
+  if name == 'group_dirichlet':
+    return group_dirichlet(labels, num_clients, groups=groups,
+                           alpha=dirichlet_alpha, seed=seed,
+                           min_size=min_size)
   if name == 'pathological':
     return pathological(labels, num_clients,
                         classes_per_client=classes_per_client, seed=seed)

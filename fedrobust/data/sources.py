@@ -54,6 +54,9 @@ class Dataset(NamedTuple):
     test_y: int32 `[M]` test labels in `[0, num_classes)`.
     num_classes: Number of classes.
     name: Short dataset name, e.g. 'fashion_mnist'.
+    train_groups: optional int32 `[N]` group of each training example (the
+      domain of 'vader_domains'), which group partitions deal by.
+    test_groups: optional int32 `[M]`, the same for the test split.
   """
 
   train_x: np.ndarray
@@ -62,6 +65,8 @@ class Dataset(NamedTuple):
   test_y: np.ndarray
   num_classes: int
   name: str
+  train_groups: np.ndarray | None = None
+  test_groups: np.ndarray | None = None
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -442,6 +447,9 @@ DATASETS: dict[str, Callable[[str | None], Dataset]] = {
     'vader_tweets': _vader_loader('tweets'),
     'vader_amazon': _vader_loader('amazon'),
     'vader_nyt': _vader_loader('nyt'),
+    # The four domains together, each example's domain in train_groups
+    # (HiLoRA's domain skew: --partition=group_dirichlet).
+    'vader_domains': _vader_loader('all'),
 }
 
 

@@ -447,6 +447,9 @@ def vader_dataset(domain: str, data_dir: str | None = None, *,
     fedrobust.data.sources.Dataset named 'vader_<domain>'.
   """
   from fedrobust.data.sources import Dataset  # pylint: disable=g-import-not-at-top
+  if domain == 'all':
+    return _all_domains(data_dir, max_len=max_len,
+                        test_fraction=test_fraction)
   corpus = load_vader(domain, data_dir)
   ids = tokenize(list(corpus.texts), max_len=max_len)
   rng = np.random.default_rng(SPLIT_SEED)
@@ -458,3 +461,16 @@ def vader_dataset(domain: str, data_dir: str | None = None, *,
   return Dataset(train_x=ids[~test], train_y=corpus.labels[~test],
                  test_x=ids[test], test_y=corpus.labels[test],
                  num_classes=2, name=f'vader_{domain}')
+
+
+def _all_domains(data_dir, *, max_len, test_fraction):
+  parts = [vader_dataset(d, data_dir, max_len=max_len,
+                         test_fraction=test_fraction) for d in VADER_DOMAINS]
+  cat = lambda field: np.concatenate([getattr(p, field) for p in parts])
+  groups = lambda field: np.concatenate([
+      np.full(len(getattr(p, field)), g, np.int32)
+      for g, p in enumerate(parts)])
+  return parts[0]._replace(
+      train_x=cat('train_x'), train_y=cat('train_y'), test_x=cat('test_x'),
+      test_y=cat('test_y'), name='vader_domains',
+      train_groups=groups('train_y'), test_groups=groups('test_y'))
