@@ -32,8 +32,11 @@ from fedrobust.types import Arrivals, LocalData
 from tests.engine_test import IMAGE, NUM_CLASSES, toy_data
 
 K = 4
-LORA_ONLY = ('fedit', 'ffa_lora', 'flexlora', 'flora', 'lora_fair',
+LORA_ONLY = ('fedit', 'ffa_lora', 'flexlora', 'flora', 'hilora', 'lora_fair',
              'rfd_lora')     # methods that need the LoRA transform
+SINGLE_RANK = ('hilora',)    # LoRA methods with one rank for every client
+# Settings that make a 3-round test reach every stage of a staged method.
+SETTINGS = {'hilora': dict(root_rounds=1, cluster_rounds=1, k_max=2)}
 CASES = [(name, 'plain') for name in sorted(METHODS)] + [
     ('fedavg', 'delay'), ('fedavg', 'lazy'), ('fedavg', 'lora'),
     # One LoRA rank for every client (the transform's scale is a scalar).
@@ -45,7 +48,7 @@ def case(name, variant):
   """(method, jitted round, initial state, data, server_data)."""
   model = models.get_model('mlp', num_classes=NUM_CLASSES,
                            input_shape=IMAGE, hidden=(5,))
-  if variant == 'rank2':
+  if variant == 'rank2' or name in SINGLE_RANK:
     transform = lora(model, ranks=(2,), targets=('all',))
     specs = (2.0,) * K
   elif variant == 'lora' or name in LORA_ONLY:
@@ -56,7 +59,8 @@ def case(name, variant):
   cohorts = single_cohort(model, transform, K, K, specs)
   local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=2)
   method = get_method(name, cohorts=cohorts, local=local,
-                      optimizer=engine.sgd(learning_rate=0.1, momentum=0.9))
+                      optimizer=engine.sgd(learning_rate=0.1, momentum=0.9),
+                      **SETTINGS.get(name, {}))
   data = toy_data([5, 8, 3, 6], 8, seed=4)
   server_data = {}
   if 'validation' in METHODS[name].server_data:

@@ -10,6 +10,7 @@ from fedrobust.methods.fedavg import FEDAVG, FEDPROX, fedavg
 from fedrobust.methods.fedhan import FEDHAN, fedhan
 from fedrobust.methods.fedlora import (FEDIT, FFA_LORA, FLEXLORA, FLORA,
                                       LORA_FAIR, fedit)
+from fedrobust.methods.hilora import HILORA, hilora
 from fedrobust.methods.horus import HORUS, horus
 from fedrobust.methods.rfd_lora import RFD_LORA, rfd_lora
 from fedrobust.methods.sdfc import SDFC, sdfc
@@ -24,6 +25,7 @@ METHODS: dict[str, MethodSpec] = {
     'ffa_lora': FFA_LORA,
     'flexlora': FLEXLORA,
     'flora': FLORA,
+    'hilora': HILORA,
     'horus': HORUS,
     'lora_fair': LORA_FAIR,
     'rfd_lora': RFD_LORA,
@@ -62,5 +64,6 @@ def get_method(name: str, **kwargs) -> Method:
 
 
 __all__ = ['METHODS', 'SERVER_DATA', 'Method', 'MethodSpec', 'fedavg', 'fedit',
-           'fedhan', 'get_method', 'get_method_spec', 'horus', 'rfd_lora',
+           'fedhan', 'get_method', 'get_method_spec', 'hilora', 'horus',
+           'rfd_lora',
            'sdfc']

@@ -213,7 +213,7 @@ def _product_method(name: str, *, restack: bool, cohorts, local: LocalConfig,
     # The global factors carry the global scale; client k's b is rescaled
     # so that s_k a b is the same product (FlexLoRA: b = S V^T / s_k).
     ratio = scale(None) / scale(spec)
-    start = _nest({p: {'a': get_path(trainable, p)['a'],
+    start = nest_paths({p: {'a': get_path(trainable, p)['a'],
                        'b': get_path(trainable, p)['b'] * ratio}
                    for p in lora_modules(trainable)})
     out = update((base, start, round_number), state, data, key)
@@ -234,7 +234,7 @@ def _product_method(name: str, *, restack: bool, cohorts, local: LocalConfig,
       dense = jax.tree.map(jnp.zeros_like, dense)
     else:           # FlexLoRA: W_g kept, its truncated SVD broadcast
       base = ms.base
-      trainable = _nest(svd_factors(dense, _rank(state.params[0]),
+      trainable = nest_paths(svd_factors(dense, _rank(state.params[0]),
                                     scale(None)))
     return (trainable,), ProductState(base, dense, agg), info
 
@@ -254,7 +254,7 @@ def _rank(trainable: Params) -> int:
   return int(get_path(trainable, path)['a'].shape[-1])
 
 
-def _nest(flat: dict[str, Any]) -> dict:
+def nest_paths(flat: dict[str, Any]) -> dict:
   """{'x/y': v} -> {'x': {'y': v}}."""
   out: dict = {}
   for path, value in flat.items():

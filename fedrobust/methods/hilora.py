@@ -1,0 +1,364 @@
+"""HiLoRA: hierarchical root / cluster / leaf LoRA (seeds/002, Sec. 3).
+
+Every client's update of a targeted kernel is the sum of three LoRA tiers
+(Eq. 5), trained in cascade, one tier per stage, with the earlier tiers
+frozen (merged into the base) and the cross-tier orthogonality penalties:
+
+  root stage     all clients train (a_r, b_r) from the global root; the
+                 server takes the weighted mean of the products in product
+                 space and its rank-r truncated SVD (Eq. 10). Each client's
+                 trained basis feeds an EMA of its LoRA subspace (Eq. 7).
+                 The stage ends when the relative step of the root product
+                 is <= tau_rel or after root_rounds rounds; the server then
+                 clusters the clients by their subspaces (Eq. 8-9, spectral
+                 clustering, K by the eigengap; methods/hilora_subspace.py).
+  cluster stage  client i trains its cluster's adapter over W0 + root with
+                 gamma_c ||B_r^T B_c||^2 (Eq. 11); each cluster's product
+                 mean is truncated back to rank r; a cluster freezes by the
+                 same relative-step rule; the stage ends when every cluster
+                 with members is frozen or after cluster_rounds rounds.
+  leaf stage     client i trains its own adapter over W0 + root + cluster
+                 with gamma_c ||B_r^T B_l||^2 + gamma_l ||B_c^T B_l||^2
+                 (Eq. 12); the server keeps it (no aggregation) for the
+                 rest of the run (T_leaf = num_rounds - root - cluster).
+
+Each client's model (Sec. 3.4's personalised path) is W0 + root + its
+cluster + its leaf; `eval_models` evaluates those per client, and the
+root-only model as the global one.
+
+Notation: the paper's basis B ([p, r], output side) is our factor b^T
+(b: [r, d_out]); the penalties use the frozen tier's orthonormal basis
+(the paper sets B := U_r after the SVD; our SVD split puts the singular
+values in b, see fedlora.svd_factors), so they do not depend on how the
+product's scale is split between the factors.
+
+Deviations (BUILD_NOTES §3f): the leaf stage runs to the end of the budget
+(no per-client stop), a client that joins after clustering has no cluster
+(its cluster term is zero) until routed, and all three tiers use the
+transform's one rank r.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedrobust.cohort import Cohort
+from fedrobust.errors import SettingError
+from fedrobust.local import LocalConfig, classification_loss, local_sgd
+from fedrobust.methods import hilora_subspace as hs
+from fedrobust.methods.base import MethodSpec
+from fedrobust.methods.fedlora import (add_dense, lora_modules, products,
+                                       svd_factors, nest_paths)
+from fedrobust.settings import Setting
+from fedrobust.transforms.base import get_path
+from fedrobust.tree import scatter_clients, tree_sub
+from fedrobust.types import ClientOutput, EvalModel, Method
+
+Params = Any
+
+ROOT, CLUSTER, LEAF = 0, 1, 2
+
+
+class HiLoRAState(NamedTuple):
+  base: Params              # W0 (frozen pretrained params)
+  clusters: Params          # cluster factors, leaves [K_max, ...]
+  leaves: Params            # leaf factors, leaves [N, ...]
+  assign: jax.Array         # int32[N] cluster of each client, -1: none
+  ema: dict                 # module path -> Bbar float32[N, d_out, r]
+  seen: jax.Array           # bool[N] trained in the root stage
+  root_dense: dict          # module path -> s a_r b_r [d_in, d_out]
+  cluster_dense: dict       # module path -> s a_c b_c [K_max, d_in, d_out]
+  cluster_frozen: jax.Array  # bool[K_max]
+  num_clusters: jax.Array   # int32[], 0 before clustering
+  stage: jax.Array          # int32[]: 0 root, 1 cluster, 2 leaf
+  stage_round: jax.Array    # int32[] rounds done in this stage
+
+
+def _select(flag, on, off):
+  return jax.tree.map(lambda a, b: jnp.where(flag, a, b), on, off)
+
+
+def _row(tree, i):
+  return jax.tree.map(lambda leaf: leaf[i], tree)
+
+
+def _rows_where(flags, on, off):
+  """Per-row select of stacked trees [R, ...] by flags bool[R]."""
+  return jax.tree.map(
+      lambda a, b: jnp.where(flags.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+      on, off)
+
+
+def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
+           optimizer: optax.GradientTransformation, aggregator=None,
+           server_lr: float = 1.0, poison=None, num_clients: int = 0,
+           root_rounds: int = 20, cluster_rounds: int = 20,
+           tau_rel: float = 0.01, gamma_c: float = 0.1,
+           gamma_l: float = 0.1, ema_decay: float = 0.9, k_min: int = 2,
+           k_max: int = 8, cluster_basis: str = 'factor') -> Method:
+  """HiLoRA on one LoRA cohort of a single rank.
+
+  Args:
+    cohorts, local, optimizer, poison: as for FedAvg (no aggregator: the
+      tiers are product-space means, Eq. 10-11; server_lr is unused).
+    root_rounds, cluster_rounds: T_root and T_cluster (the leaf stage has
+      the rest of the rounds).
+    tau_rel: the relative step-size stopping threshold (Sec. 3.3).
+    gamma_c, gamma_l: cross-tier orthogonality weights (Eq. 11-12).
+    ema_decay: lambda of the subspace EMA (Eq. 7).
+    k_min, k_max: the eigengap's range of cluster counts (Sec. 3.2).
+    cluster_basis: what the EMA tracks, 'factor' (the client's trained
+      basis B_i, the paper) or 'update' (B_i - B_root, its local change).
+  """
+  del aggregator, server_lr
+  if len(cohorts) != 1 or cohorts[0].transform.name != 'lora':
+    raise SettingError('transform', 'hilora trains LoRA tiers on one '
+                       'cohort: it needs --transform=lora and one model')
+  cohort = cohorts[0]
+  transform = cohort.transform
+  if len(transform.spec_values) > 1:
+    raise SettingError('lora_ranks', 'hilora gives every tier one rank r; '
+                       f'got ranks {transform.spec_values}')
+  if root_rounds < 1 or cluster_rounds < 0:
+    raise SettingError('root_rounds', f'root_rounds must be >= 1 and '
+                       f'cluster_rounds >= 0, got {root_rounds}, '
+                       f'{cluster_rounds}', component='method hilora')
+  if not 1 <= k_min <= k_max:
+    raise SettingError('k_min', f'need 1 <= k_min <= k_max, got {k_min}, '
+                       f'{k_max}', component='method hilora')
+  if cluster_basis not in ('factor', 'update'):
+    raise SettingError('cluster_basis', "must be 'factor' or 'update', got "
+                       f'{cluster_basis!r}', component='method hilora')
+  for name, value in (('tau_rel', tau_rel), ('gamma_c', gamma_c),
+                      ('gamma_l', gamma_l)):
+    if value < 0:
+      raise SettingError(name, f'must be >= 0, got {value}',
+                         component='method hilora')
+  if not 0 <= ema_decay < 1:
+    raise SettingError('ema_decay', f'must be in [0, 1), got {ema_decay}',
+                       component='method hilora')
+  scale = transform.factor_scale(None)
+  n = num_clients or 1 + max(cohort.members)
+  k_max = min(k_max, n)
+
+  def init(params, num_clients, key):
+    del num_clients
+    base, root = transform.init(params[0], jax.random.fold_in(key, 0))
+    fresh = lambda k: transform.init(params[0], k)[1]
+    clusters = jax.vmap(fresh)(jax.random.split(jax.random.fold_in(key, 1),
+                                                k_max))
+    leaves = jax.vmap(fresh)(jax.random.split(jax.random.fold_in(key, 2), n))
+    dense = products(root, scale)
+    rank = get_path(root, lora_modules(root)[0])['a'].shape[-1]
+    ema = {p: jnp.zeros((n, get_path(root, p)['b'].shape[-1], rank))
+           for p in lora_modules(root)}
+    state = HiLoRAState(
+        base=base, clusters=clusters, leaves=leaves,
+        assign=jnp.full((n,), -1, jnp.int32), ema=ema,
+        seen=jnp.zeros((n,), bool), root_dense=dense,
+        cluster_dense={p: jnp.zeros((k_max, *w.shape)) for p, w in
+                       dense.items()},
+        cluster_frozen=jnp.zeros((k_max,), bool),
+        num_clusters=jnp.int32(0), stage=jnp.int32(ROOT),
+        stage_round=jnp.int32(0))
+    return (root,), state
+
+  def broadcast(state, j):
+    del j
+    ms = state.method_state
+    return (ms.base, state.params[0], ms.clusters, ms.root_dense,
+            ms.cluster_dense, ms.stage)
+
+  def client_state(method_state, j, ids):
+    del j
+    return (_row(method_state.leaves, ids), method_state.assign[ids])
+
+  def penalty(trainable, frozen_root, frozen_cluster, stage, has_cluster):
+    """Eq. 11-12: gamma_c ||B_r^T B||^2 (+ gamma_l ||B_c^T B||^2 in the
+    leaf stage) summed over the modules, with orthonormal frozen bases."""
+    total = 0.0
+    for p in lora_modules(trainable):
+      basis = hs.basis_of(get_path(trainable, p)['b'])
+      ur = hs.subspace(hs.basis_of(get_path(frozen_root, p)['b']))
+      uc = hs.subspace(hs.basis_of(get_path(frozen_cluster, p)['b']))
+      total = total + gamma_c * (stage >= CLUSTER) * hs.orthogonality_penalty(
+          jax.lax.stop_gradient(ur), basis)
+      total = total + gamma_l * ((stage >= LEAF) & has_cluster) * (
+          hs.orthogonality_penalty(jax.lax.stop_gradient(uc), basis))
+    return total
+
+  def client_update(j, broadcast, state, data, key, server_data):
+    del j, server_data
+    base, root, clusters, root_dense, cluster_dense, stage = broadcast
+    leaf, cid = state
+    has = cid >= 0
+    slot = jnp.maximum(cid, 0)
+    cluster = _row(clusters, slot)
+    frozen = add_dense(base, {
+        p: root_dense[p] * (stage >= CLUSTER)
+        + cluster_dense[p][slot] * ((stage >= LEAF) & has)
+        for p in root_dense})
+    start = _select(stage == ROOT, root, _select(stage == CLUSTER, cluster,
+                                                 leaf))
+    base_loss = classification_loss(
+        lambda t, x, *, train=False, key=None: transform.apply(
+            frozen, t, x, train=train, key=key))
+
+    def loss_fn(t, x, y, mask, k):
+      loss, aux = base_loss(t, x, y, mask, k)
+      return loss + penalty(t, root, cluster, stage, has), aux
+
+    new, metrics = local_sgd(loss_fn, start, data, key, optimizer=optimizer,
+                             config=local, poison=poison)
+    # In the cluster stage a client without a cluster trains nothing.
+    active = (stage != CLUSTER) | has
+    weight = data.count.astype(jnp.float32) * active
+    return ClientOutput(delta=tree_sub(new, start), weight=weight,
+                        client_state=(), metrics=metrics)
+
+  def server_update(state, arrivals, key, server_data):
+    del key, server_data
+    ms = state.method_state
+    (arr,) = arrivals
+    ids, mask = arr.ids, arr.mask
+    stage = ms.stage
+    w = jnp.where(mask, arr.outputs.weight, 0.0)
+    cid = jnp.where(mask, ms.assign[ids], -1)
+    root = state.params[0]
+    c = ids.shape[0]
+    starts = _select(
+        stage == ROOT, jax.tree.map(lambda l: jnp.broadcast_to(
+            l, (c, *l.shape)), root),
+        _select(stage == CLUSTER, _row(ms.clusters, jnp.maximum(cid, 0)),
+                _row(ms.leaves, ids)))
+    delta = jax.tree.map(lambda d: jnp.where(
+        mask.reshape((-1,) + (1,) * (d.ndim - 1)), d, 0.0), arr.outputs.delta)
+    new = jax.tree.map(jnp.add, starts, delta)
+    prods = jax.vmap(lambda t: products(t, scale))(new)
+
+    # Root stage (Eq. 10): product-space mean, truncated SVD, EMA (Eq. 7).
+    in_root = stage == ROOT
+    root_w = w / jnp.maximum(jnp.sum(w), 1e-12)
+    root_dense = {p: jnp.einsum('c,c...->...', root_w, v)
+                  for p, v in prods.items()}
+    rank = get_path(root, lora_modules(root)[0])['a'].shape[-1]
+    root_new = nest_paths(svd_factors(root_dense, rank, scale))
+    root_dense = products(root_new, scale)     # B_r A_r after truncation
+    root_step = _relative(ms.root_dense, root_dense)
+    ema = {}
+    for p in ms.ema:
+      b_new = get_path(new, p)['b']
+      if cluster_basis == 'update':
+        b_new = b_new - get_path(root, p)['b'][None]
+      bar = jax.vmap(lambda prev, b: hs.ema_basis(prev, hs.basis_of(b),
+                                                  ema_decay))(
+                                                      ms.ema[p][ids], b_new)
+      ema[p] = jnp.where(in_root, scatter_clients(ms.ema[p], ids, bar, mask),
+                         ms.ema[p])
+    seen = ms.seen | (in_root & jnp.zeros_like(ms.seen).at[
+        jnp.where(mask, ids, n)].set(True, mode='drop'))
+    root_count = ms.stage_round + 1
+    root_done = in_root & ((root_step <= tau_rel) | (root_count >= root_rounds))
+    # Sec. 3.2 at the end of the root stage.
+    subspaces = [jax.vmap(hs.subspace)(ema[p]) for p in sorted(ema)]
+    labels, k, _ = hs.spectral_clusters(hs.distance_matrix(subspaces), seen,
+                                        k_min=k_min, k_max=k_max)
+    assign = jnp.where(root_done, labels, ms.assign)
+    num_clusters = jnp.where(root_done, k, ms.num_clusters)
+
+    # Cluster stage (Eq. 11): per-cluster product means, truncated SVDs.
+    in_cluster = stage == CLUSTER
+    member = jax.nn.one_hot(cid, k_max) * w[:, None]     # [C, K]
+    total = jnp.sum(member, axis=0)
+    norm = member / jnp.maximum(total, 1e-12)[None]
+    cl_dense = {p: jnp.einsum('ck,c...->k...', norm, v)
+                for p, v in prods.items()}
+    cl_new = jax.vmap(lambda d: nest_paths(svd_factors(d, rank, scale)))(
+        cl_dense)
+    cl_dense = jax.vmap(lambda t: products(t, scale))(cl_new)
+    cl_step = jax.vmap(_relative)(ms.cluster_dense, cl_dense)
+    update = in_cluster & (total > 0) & ~ms.cluster_frozen
+    clusters = _rows_where(update, cl_new, ms.clusters)
+    cluster_dense = _rows_where(update, cl_dense, ms.cluster_dense)
+    frozen = ms.cluster_frozen | (update & (cl_step <= tau_rel))
+    populated = jnp.arange(k_max) < num_clusters
+    cluster_done = in_cluster & (
+        jnp.all(frozen | ~populated) | (ms.stage_round + 1 >= cluster_rounds))
+
+    # Leaf stage (Eq. 12): each client keeps its own leaf.
+    leaves = jax.tree.map(
+        lambda l, v: jnp.where(stage == LEAF, v, l), ms.leaves,
+        scatter_clients(ms.leaves, ids, new, mask))
+
+    advance = root_done | cluster_done
+    # A zero-round cluster stage goes straight to the leaves.
+    next_stage = stage + advance + (root_done & (cluster_rounds == 0))
+    new_state = HiLoRAState(
+        base=ms.base, clusters=clusters, leaves=leaves, assign=assign,
+        ema=ema, seen=seen,
+        root_dense=_select(in_root, root_dense, ms.root_dense),
+        cluster_dense=cluster_dense, cluster_frozen=frozen,
+        num_clusters=num_clusters, stage=next_stage.astype(jnp.int32),
+        stage_round=jnp.where(advance, 0, ms.stage_round + 1).astype(
+            jnp.int32))
+    info = {'stage': stage.astype(jnp.float32),
+            'num_clusters': num_clusters.astype(jnp.float32),
+            'root_step': root_step,
+            'clusters_frozen': jnp.sum(frozen & populated).astype(jnp.float32)}
+    return ((_select(in_root, root_new, root),), new_state, info)
+
+  def personal_dense(ms):
+    """Per client i: root + cluster_j(i) + leaf_i products, [N, ...]."""
+    has = ms.assign >= 0
+    slot = jnp.maximum(ms.assign, 0)
+    after_cluster = ms.stage >= CLUSTER
+    after_leaf = ms.stage >= LEAF
+    leaf_dense = jax.vmap(lambda t: products(t, scale))(ms.leaves)
+    return {p: ms.root_dense[p][None]
+            + (ms.cluster_dense[p][slot] * (has & after_cluster)[:, None, None])
+            + leaf_dense[p] * after_leaf
+            for p in ms.root_dense}
+
+  def eval_models(state):
+    ms = state.method_state
+    members = jnp.asarray(cohort.members)
+    dense = {p: v[members] for p, v in personal_dense(ms).items()}
+    own = jax.vmap(lambda d: add_dense(ms.base, d))(dense)
+    return (EvalModel('', 0, add_dense(ms.base, ms.root_dense)),
+            EvalModel('personal', 0, own, clients=cohort.members,
+                      per_client=True))
+
+  return Method('hilora', init, broadcast, client_state, client_update,
+                server_update, eval_models,
+                provides=frozenset({'weights', 'ids'}))
+
+
+def _relative(old: dict, new: dict) -> jax.Array:
+  """Sec. 3.3's relative step over all modules' products together."""
+  diff = sum(jnp.sum(jnp.square(new[p] - old[p])) for p in new)
+  ref = sum(jnp.sum(jnp.square(old[p])) for p in new)
+  return jnp.sqrt(diff) / (jnp.sqrt(ref) + 1e-8)
+
+
+HILORA = MethodSpec(
+    build=hilora,
+    summary='HiLoRA: root / cluster / leaf LoRA in cascade, clusters from '
+    'the clients\' LoRA subspaces (eigengap K).',
+    settings=(
+        Setting('root_rounds', 20, 'T_root: most rounds of the root stage.'),
+        Setting('cluster_rounds', 20, 'T_cluster: most rounds of the cluster '
+                'stage (the leaf stage has the rest).'),
+        Setting('tau_rel', 0.01, 'Relative step-size stop (Sec. 3.3).'),
+        Setting('gamma_c', 0.1, 'Orthogonality to the root (Eq. 11-12).'),
+        Setting('gamma_l', 0.1, 'Leaf orthogonality to its cluster '
+                '(Eq. 12).'),
+        Setting('ema_decay', 0.9, 'Subspace EMA decay lambda (Eq. 7).'),
+        Setting('k_min', 2, 'Smallest cluster count the eigengap may pick.'),
+        Setting('k_max', 8, 'Largest cluster count the eigengap may pick.'),
+        Setting('cluster_basis', 'factor', "The EMA's basis: 'factor' "
+                "(B_i, the paper) or 'update' (B_i - B_root).")),
+    uses_aggregator=False)

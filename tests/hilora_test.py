@@ -1,0 +1,112 @@
+"""HiLoRA's cascade on the conformance suite's tiny LoRA case.
+
+The case (tests/methods_test.py) has 4 clients, rank 2, root_rounds=1,
+cluster_rounds=1 and K in [2, 2], so round 1 is the root stage (and the
+clustering), round 2 the cluster stage and round 3 the leaf stage.
+"""
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust import engine, models
+from fedrobust.cohort import single_cohort
+from fedrobust.errors import SettingError
+from fedrobust.methods import get_method
+from fedrobust.methods.fedlora import lora_modules, products
+from fedrobust.transforms import lora
+from fedrobust.transforms.base import get_path
+from tests.engine_test import IMAGE, NUM_CLASSES
+from tests.methods_test import case, run_rounds
+
+NAME = ('hilora', 'plain')
+
+
+class CascadeTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.method = case(*NAME)[0]
+    cls.states = {r: run_rounds(*NAME, r)[0] for r in (1, 2, 3)}
+
+  def test_stages_advance_and_the_root_stage_clusters(self):
+    stages = [int(self.states[r].method_state.stage) for r in (1, 2, 3)]
+    self.assertEqual(stages, [1, 2, 2])
+    ms = self.states[1].method_state
+    self.assertEqual(int(ms.num_clusters), 2)
+    self.assertEqual(sorted(set(np.asarray(ms.assign).tolist())), [0, 1])
+    self.assertTrue(np.all(np.asarray(ms.seen)))
+
+  def test_root_is_its_truncated_product_and_then_frozen(self):
+    s1, s2, s3 = (self.states[r] for r in (1, 2, 3))
+    root = s1.params[0]
+    dense = products(root, 1.0)
+    for p in lora_modules(root):
+      np.testing.assert_allclose(dense[p], s1.method_state.root_dense[p],
+                                 rtol=1e-5, atol=1e-6)
+      self.assertLessEqual(np.linalg.matrix_rank(np.asarray(dense[p]),
+                                                 tol=1e-5), 2)
+    for later in (s2, s3):
+      jax.tree.map(np.testing.assert_array_equal, later.params[0], root)
+
+  def test_clusters_train_in_their_stage_only(self):
+    s1, s2, s3 = (self.states[r].method_state for r in (1, 2, 3))
+    moved = [not np.allclose(get_path(s2.clusters, p)['b'][k],
+                             get_path(s1.clusters, p)['b'][k])
+             for k in range(2) for p in lora_modules(s1.leaves)]
+    self.assertTrue(any(moved))
+    jax.tree.map(np.testing.assert_array_equal, s3.clusters, s2.clusters)
+    for k in range(2):
+      cl = jax.tree.map(lambda l, k=k: l[k], s2.clusters)
+      for p, v in products(cl, 1.0).items():
+        np.testing.assert_allclose(v, s2.cluster_dense[p][k], rtol=1e-5,
+                                   atol=1e-6)
+    # Leaves move only in the leaf stage.
+    jax.tree.map(np.testing.assert_array_equal, s2.leaves, s1.leaves)
+    self.assertFalse(all(jax.tree.leaves(jax.tree.map(
+        np.array_equal, s3.leaves, s2.leaves))))
+
+  def test_personal_models_compose_the_three_tiers(self):
+    state = self.states[3]
+    ms = state.method_state
+    headline, personal = self.method.eval_models(state)
+    self.assertTrue(personal.per_client)
+    for p in ms.root_dense:
+      kernel = get_path(ms.base, p)['kernel']
+      np.testing.assert_allclose(
+          get_path(headline.params, p)['kernel'],
+          kernel + ms.root_dense[p].reshape(kernel.shape), rtol=1e-5,
+          atol=1e-6)
+      for i in range(4):
+        leaf = jax.tree.map(lambda l, i=i: l[i], ms.leaves)
+        want = (ms.root_dense[p] + ms.cluster_dense[p][ms.assign[i]]
+                + products(leaf, 1.0)[p])
+        np.testing.assert_allclose(
+            get_path(personal.params, p)['kernel'][i],
+            kernel + want.reshape(kernel.shape), rtol=1e-4, atol=1e-5)
+
+
+class SettingsTest(absltest.TestCase):
+
+  def test_refusals_name_the_setting(self):
+    model = models.get_model('mlp', num_classes=NUM_CLASSES,
+                             input_shape=IMAGE, hidden=(5,))
+    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=2)
+    build = lambda ranks, **kw: get_method(
+        'hilora', cohorts=single_cohort(
+            model, lora(model, ranks=ranks, targets=('all',)), 4, 4,
+            (float(ranks[0]),) * 4),
+        local=local, optimizer=engine.sgd(learning_rate=0.1), **kw)
+    with self.assertRaisesRegex(SettingError, 'lora_ranks'):
+      build((1, 2))
+    with self.assertRaisesRegex(SettingError, 'k_min'):
+      build((2,), k_min=3, k_max=2)
+    with self.assertRaisesRegex(SettingError, 'cluster_basis'):
+      build((2,), cluster_basis='nope')
+    self.assertEqual(build((2,)).name, 'hilora')
+
+
+if __name__ == '__main__':
+  absltest.main()
