@@ -7,7 +7,6 @@ clustering), round 2 the cluster stage and round 3 the leaf stage.
 
 from absl.testing import absltest
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedrobust import engine, models

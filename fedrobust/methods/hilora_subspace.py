@@ -136,7 +136,6 @@ def kmeans(points: jax.Array, mask: jax.Array, k: jax.Array, *, k_max: int,
   Deterministic farthest-point seeding: the first real point, then
   repeatedly the real point farthest from the centres so far. Returns
   int32 [N] labels in [0, k), -1 for masked slots."""
-  n = points.shape[0]
   big = jnp.float32(jnp.inf)
 
   def sqdist(centres):
