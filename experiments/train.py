@@ -56,6 +56,7 @@ from fedrobust.local import adamw
 from fedrobust.engine.round import all_finite
 from fedrobust.errors import SettingError
 from fedrobust.methods import METHODS, fedlora
+from fedrobust.methods.hilora_subspace import adjusted_rand_index
 from fedrobust.methods.fedavg import parse_share
 from fedrobust.models import (default_compute_dtype, default_conv_impl,
                               get_model)
@@ -724,6 +725,10 @@ class Evaluator:
               'test_loss': float(np.mean(global_m['loss'][index])),
               'local_accuracy': (float(np.mean(local_m['accuracy'][has]))
                                  if has.any() else None),
+              # The personalisation papers' tail: the 10th percentile of
+              # the clients' own accuracies (HiLoRA's "worst 10%").
+              'local_accuracy_p10': (float(np.percentile(
+                  local_m['accuracy'][has], 10)) if has.any() else None),
               '_own': {i: float(a) for i, a, ok in zip(
                   members, np.asarray(local_m['accuracy']), has) if ok}}
     if self.triggered is not None:
@@ -745,7 +750,8 @@ class Evaluator:
                 tradeoff_v=(test_accuracy + 1 - asr) / 2)
 
 
-HEADLINE = ('test_accuracy', 'local_accuracy', 'attack_success_rate',
+HEADLINE = ('test_accuracy', 'local_accuracy', 'local_accuracy_p10',
+            'attack_success_rate',
             'backdoor_failure_rate', 'tradeoff_v', 'robust_accuracy',
             'clean_target_rate')
 
@@ -753,6 +759,23 @@ HEADLINE = ('test_accuracy', 'local_accuracy', 'attack_success_rate',
 # ----------------------------------------------------------------------------
 # The run.
 # ----------------------------------------------------------------------------
+
+
+def clustering_summary(method_state, client_groups) -> dict[str, Any]:
+  """A clustering method's (HiLoRA's) clusters: `num_clusters` (0 before
+  it clustered), `cluster_assignment` per client (-1: none) and, when the
+  partition knows the true groups, `true_clusters` and `cluster_ari`
+  (adjusted Rand index of the assignment against them)."""
+  if not all(hasattr(method_state, f) for f in ('assign', 'num_clusters')):
+    return {}
+  assign = np.asarray(jax.device_get(method_state.assign))
+  out = {'num_clusters': int(jax.device_get(method_state.num_clusters)),
+         'cluster_assignment': assign.tolist()}
+  if client_groups is not None and out['num_clusters'] > 0:
+    truth = np.asarray(client_groups)[:len(assign)]
+    out['true_clusters'] = int(len(set(truth[truth >= 0].tolist())))
+    out['cluster_ari'] = adjusted_rand_index(truth, assign)
+  return out
 
 
 class DivergenceError(RuntimeError):
@@ -1046,6 +1069,7 @@ def _run_locked(config: dict[str, Any], program: Program,
               if 'anchors' in program.server_data else 0,
               classes=int(setup.num_classes))
           for j, c in enumerate(cohorts)},
+      **clustering_summary(state.method_state, setup.client_groups),
       'pretrain': pretrain_info,
       'compile_seconds': compile_seconds,
       'flops_per_round': flops_per_round,

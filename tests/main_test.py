@@ -399,6 +399,28 @@ class EndToEndTest(IdxDataTestCase):
     self.assertEqual(comm['ffa_lora']['rank=4']['upload'],
                      4 * (200 + 200 + 10) * 4)
 
+  def test_hilora_cascade_reports_clusters_and_personal_accuracy(self):
+    """HiLoRA through root (1 round), clustering, cluster (1) and leaf (1):
+    the summary carries the clusters, metrics the personal models'
+    accuracies (mean and 10th percentile over the clients)."""
+    workdir = self.create_tempdir().full_path
+    summary = train.run(base_config(
+        self.data_dir, workdir, method='hilora', transform='lora',
+        lora_ranks='2', lora_targets='first,head', clients_per_round=4,
+        num_rounds=3, global_test_per_class=5, hilora_root_rounds=1,
+        hilora_cluster_rounds=1, hilora_k_min=2, hilora_k_max=3))
+    self.assertEqual(summary['status'], 'completed')
+    self.assertBetween(summary['num_clusters'], 2, 3)
+    assign = summary['cluster_assignment']
+    self.assertLen(assign, 4)
+    self.assertEqual(set(assign), set(range(summary['num_clusters'])))
+    self.assertNotIn('cluster_ari', summary)     # IDX data has no groups
+    final = summary['final']
+    for key in ('local_accuracy/personal', 'local_accuracy_p10/personal'):
+      self.assertBetween(final[key], 0.0, 1.0)
+    self.assertLessEqual(final['local_accuracy_p10/personal'],
+                         final['local_accuracy/personal'])
+
   def test_horus_and_a_baseline_share_the_lora_pipeline(self):
     horus = dict(method='horus', cohorts='mlp:0.5,row_lstm:0.5',
                  clients_per_round=0, transform='lora',

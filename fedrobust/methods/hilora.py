@@ -145,6 +145,15 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
   n = num_clients or 1 + max(cohort.members)
   k_max = min(k_max, n)
 
+  # Modules whose output width exceeds r carry a subspace to compare (a
+  # 2-class head's rank-r basis spans its whole output space).
+  shapes = jax.eval_shape(lambda k: transform.init(
+      jax.eval_shape(cohort.model.init, k), k)[1], jax.random.key(0))
+  rank = get_path(shapes, lora_modules(shapes)[0])['a'].shape[-1]
+  cluster_paths = [p for p in lora_modules(shapes)
+                   if get_path(shapes, p)['b'].shape[-1] > rank
+                   ] or list(lora_modules(shapes))
+
   def init(params, num_clients, key):
     del num_clients
     base, root = transform.init(params[0], jax.random.fold_in(key, 0))
@@ -153,7 +162,6 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
                                                 k_max))
     leaves = jax.vmap(fresh)(jax.random.split(jax.random.fold_in(key, 2), n))
     dense = products(root, scale)
-    rank = get_path(root, lora_modules(root)[0])['a'].shape[-1]
     ema = {p: jnp.zeros((n, get_path(root, p)['b'].shape[-1], rank))
            for p in lora_modules(root)}
     state = HiLoRAState(
@@ -245,7 +253,6 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     root_w = w / jnp.maximum(jnp.sum(w), 1e-12)
     root_dense = {p: jnp.einsum('c,c...->...', root_w, v)
                   for p, v in prods.items()}
-    rank = get_path(root, lora_modules(root)[0])['a'].shape[-1]
     root_new = nest_paths(svd_factors(root_dense, rank, scale))
     root_dense = products(root_new, scale)     # B_r A_r after truncation
     root_step = _relative(ms.root_dense, root_dense)
@@ -264,7 +271,7 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     root_count = ms.stage_round + 1
     root_done = in_root & ((root_step <= tau_rel) | (root_count >= root_rounds))
     # Sec. 3.2 at the end of the root stage.
-    subspaces = [jax.vmap(hs.subspace)(ema[p]) for p in sorted(ema)]
+    subspaces = [jax.vmap(hs.subspace)(ema[p]) for p in cluster_paths]
     labels, k, _ = hs.spectral_clusters(hs.distance_matrix(subspaces), seen,
                                         k_min=k_min, k_max=k_max)
     assign = jnp.where(root_done, labels, ms.assign)
