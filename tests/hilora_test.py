@@ -5,8 +5,11 @@ cluster_rounds=1 and K in [2, 2], so round 1 is the root stage (and the
 clustering), round 2 the cluster stage and round 3 the leaf stage.
 """
 
+import re
+
 from absl.testing import absltest
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedrobust import engine, models
@@ -16,6 +19,7 @@ from fedrobust.methods import get_method
 from fedrobust.methods.fedlora import lora_modules, products
 from fedrobust.transforms import lora
 from fedrobust.transforms.base import get_path
+from fedrobust.types import Arrivals, LocalData
 from tests.engine_test import IMAGE, NUM_CLASSES
 from tests.methods_test import case, run_rounds
 
@@ -85,6 +89,36 @@ class CascadeTest(absltest.TestCase):
         np.testing.assert_allclose(
             get_path(personal.params, p)['kernel'][i],
             kernel + want.reshape(kernel.shape), rtol=1e-4, atol=1e-5)
+
+
+class CpuLapackTest(absltest.TestCase):
+
+  def test_no_batched_lapack_call_on_cpu(self):
+    """Regression: a batched SVD in the server step (the EMA subspaces,
+    the clusters' truncations) deadlocked a MiniLM round on CPU, as in
+    Horus (spectral.per_matrix). The round's LAPACK calls must each take
+    one matrix."""
+    if jax.default_backend() != 'cpu':
+      self.skipTest('the CPU path only')
+    method, _, state, data, server_data = case(*NAME)
+    ids = jnp.arange(4, dtype=jnp.int32)
+    cs = method.client_state(state.method_state, 0, ids)
+
+    def round_(state):
+      outs = jax.vmap(lambda i, c, k: method.client_update(
+          0, method.broadcast(state, 0), c,
+          LocalData(data.x, data.y, i, data.count[i]), k, server_data))(
+              ids, cs, jax.random.split(jax.random.key(0), 4))
+      arr = (Arrivals(ids, jnp.ones(4, bool), outs, jnp.zeros(4, jnp.int32)),)
+      return method.server_update(state, arr, jax.random.key(1), server_data)
+
+    text = jax.jit(round_).lower(state).as_text()
+    calls = re.findall(r'custom_call @(lapack_\w+)\(.*?:\s*\((tensor<[^>]*>)',
+                       text)
+    self.assertNotEmpty(calls)
+    for target, operand in calls:
+      dims = operand[len('tensor<'):-1].split('x')[:-1]
+      self.assertLen(dims, 2, f'{target} takes a batch: {operand}')
 
 
 class SettingsTest(absltest.TestCase):

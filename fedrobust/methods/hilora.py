@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedrobust.aggregators.spectral import per_matrix
 from fedrobust.cohort import Cohort
 from fedrobust.errors import SettingError
 from fedrobust.local import LocalConfig, classification_loss, local_sgd
@@ -175,33 +176,45 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
         stage_round=jnp.int32(0))
     return (root,), state
 
+  def frozen_bases(root, clusters):
+    """Orthonormal bases of the frozen tiers, per module: the root's
+    [d_out, r] and every cluster's [K_max, d_out, r]. Computed once on the
+    server (one matrix per LAPACK call on CPU: spectral.per_matrix), so
+    the clients' penalties need no decomposition."""
+    ur, uc = {}, {}
+    for p in lora_modules(root):
+      ur[p] = hs.subspace(hs.basis_of(get_path(root, p)['b']))
+      uc[p] = per_matrix(lambda b: hs.subspace(hs.basis_of(b)),
+                         get_path(clusters, p)['b'])
+    return ur, uc
+
   def broadcast(state, j):
     del j
     ms = state.method_state
-    return (ms.base, state.params[0], ms.clusters, ms.root_dense,
-            ms.cluster_dense, ms.stage)
+    root = state.params[0]
+    return (ms.base, root, ms.clusters, ms.root_dense, ms.cluster_dense,
+            ms.stage, frozen_bases(root, ms.clusters))
 
   def client_state(method_state, j, ids):
     del j
     return (_row(method_state.leaves, ids), method_state.assign[ids])
 
-  def penalty(trainable, frozen_root, frozen_cluster, stage, has_cluster):
+  def penalty(trainable, ur, uc, stage, has_cluster):
     """Eq. 11-12: gamma_c ||B_r^T B||^2 (+ gamma_l ||B_c^T B||^2 in the
-    leaf stage) summed over the modules, with orthonormal frozen bases."""
+    leaf stage) summed over the modules, with orthonormal frozen bases
+    ur[p], uc[p] ([d_out, r])."""
     total = 0.0
     for p in lora_modules(trainable):
       basis = hs.basis_of(get_path(trainable, p)['b'])
-      ur = hs.subspace(hs.basis_of(get_path(frozen_root, p)['b']))
-      uc = hs.subspace(hs.basis_of(get_path(frozen_cluster, p)['b']))
       total = total + gamma_c * (stage >= CLUSTER) * hs.orthogonality_penalty(
-          jax.lax.stop_gradient(ur), basis)
+          jax.lax.stop_gradient(ur[p]), basis)
       total = total + gamma_l * ((stage >= LEAF) & has_cluster) * (
-          hs.orthogonality_penalty(jax.lax.stop_gradient(uc), basis))
+          hs.orthogonality_penalty(jax.lax.stop_gradient(uc[p]), basis))
     return total
 
   def client_update(j, broadcast, state, data, key, server_data):
     del j, server_data
-    base, root, clusters, root_dense, cluster_dense, stage = broadcast
+    base, root, clusters, root_dense, cluster_dense, stage, bases = broadcast
     leaf, cid = state
     has = cid >= 0
     slot = jnp.maximum(cid, 0)
@@ -218,7 +231,9 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
 
     def loss_fn(t, x, y, mask, k):
       loss, aux = base_loss(t, x, y, mask, k)
-      return loss + penalty(t, root, cluster, stage, has), aux
+      ur, uc = bases
+      return loss + penalty(t, ur, {p: v[slot] for p, v in uc.items()},
+                            stage, has), aux
 
     new, metrics = local_sgd(loss_fn, start, data, key, optimizer=optimizer,
                              config=local, poison=poison)
@@ -271,7 +286,7 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     root_count = ms.stage_round + 1
     root_done = in_root & ((root_step <= tau_rel) | (root_count >= root_rounds))
     # Sec. 3.2 at the end of the root stage.
-    subspaces = [jax.vmap(hs.subspace)(ema[p]) for p in cluster_paths]
+    subspaces = [per_matrix(hs.subspace, ema[p]) for p in cluster_paths]
     labels, k, _ = hs.spectral_clusters(hs.distance_matrix(subspaces), seen,
                                         k_min=k_min, k_max=k_max)
     assign = jnp.where(root_done, labels, ms.assign)
@@ -284,8 +299,8 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     norm = member / jnp.maximum(total, 1e-12)[None]
     cl_dense = {p: jnp.einsum('ck,c...->k...', norm, v)
                 for p, v in prods.items()}
-    cl_new = jax.vmap(lambda d: nest_paths(svd_factors(d, rank, scale)))(
-        cl_dense)
+    cl_new = per_matrix(lambda d: nest_paths(svd_factors(d, rank, scale)),
+                        cl_dense)
     cl_dense = jax.vmap(lambda t: products(t, scale))(cl_new)
     cl_step = jax.vmap(_relative)(ms.cluster_dense, cl_dense)
     update = in_cluster & (total > 0) & ~ms.cluster_frozen
