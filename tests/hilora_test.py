@@ -5,8 +5,6 @@ cluster_rounds=1 and K in [2, 2], so round 1 is the root stage (and the
 clustering), round 2 the cluster stage and round 3 the leaf stage.
 """
 
-import re
-
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ from fedrobust.transforms import lora
 from fedrobust.transforms.base import get_path
 from fedrobust.types import Arrivals, LocalData
 from tests.engine_test import IMAGE, NUM_CLASSES
+from tests.lapack_check import assert_unbatched_lapack
 from tests.methods_test import case, run_rounds
 
 NAME = ('hilora', 'plain')
@@ -112,13 +111,7 @@ class CpuLapackTest(absltest.TestCase):
       arr = (Arrivals(ids, jnp.ones(4, bool), outs, jnp.zeros(4, jnp.int32)),)
       return method.server_update(state, arr, jax.random.key(1), server_data)
 
-    text = jax.jit(round_).lower(state).as_text()
-    calls = re.findall(r'custom_call @(lapack_\w+)\(.*?:\s*\((tensor<[^>]*>)',
-                       text)
-    self.assertNotEmpty(calls)
-    for target, operand in calls:
-      dims = operand[len('tensor<'):-1].split('x')[:-1]
-      self.assertLen(dims, 2, f'{target} takes a batch: {operand}')
+    assert_unbatched_lapack(self, jax.jit(round_).lower(state).as_text())
 
 
 class SettingsTest(absltest.TestCase):
