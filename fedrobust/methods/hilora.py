@@ -281,27 +281,36 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
                                                       ms.ema[p][ids], b_new)
       ema[p] = jnp.where(in_root, scatter_clients(ms.ema[p], ids, bar, mask),
                          ms.ema[p])
-    seen = ms.seen | (in_root & jnp.zeros_like(ms.seen).at[
-        jnp.where(mask, ids, n)].set(True, mode='drop'))
+    seen = scatter_clients(ms.seen, ids, jnp.ones_like(mask), mask & in_root)
     root_count = ms.stage_round + 1
     root_done = in_root & ((root_step <= tau_rel) | (root_count >= root_rounds))
-    # Sec. 3.2 at the end of the root stage.
-    subspaces = [per_matrix(hs.subspace, ema[p]) for p in cluster_paths]
-    labels, k, _ = hs.spectral_clusters(hs.distance_matrix(subspaces), seen,
-                                        k_min=k_min, k_max=k_max)
-    assign = jnp.where(root_done, labels, ms.assign)
-    num_clusters = jnp.where(root_done, k, ms.num_clusters)
+    # Sec. 3.2, once: at the end of the root stage.
+    def cluster_clients():
+      subspaces = [per_matrix(hs.subspace, ema[p]) for p in cluster_paths]
+      labels, k, _ = hs.spectral_clusters(hs.distance_matrix(subspaces),
+                                          seen, k_min=k_min, k_max=k_max)
+      return labels, k
+
+    assign, num_clusters = jax.lax.cond(
+        root_done, cluster_clients, lambda: (ms.assign, ms.num_clusters))
 
     # Cluster stage (Eq. 11): per-cluster product means, truncated SVDs.
     in_cluster = stage == CLUSTER
     member = jax.nn.one_hot(cid, k_max) * w[:, None]     # [C, K]
     total = jnp.sum(member, axis=0)
     norm = member / jnp.maximum(total, 1e-12)[None]
-    cl_dense = {p: jnp.einsum('ck,c...->k...', norm, v)
-                for p, v in prods.items()}
-    cl_new = per_matrix(lambda d: nest_paths(svd_factors(d, rank, scale)),
-                        cl_dense)
-    cl_dense = jax.vmap(lambda t: products(t, scale))(cl_new)
+
+    def truncate_clusters():
+      dense = {p: jnp.einsum('ck,c...->k...', norm, v)
+               for p, v in prods.items()}
+      factors = per_matrix(
+          lambda d: nest_paths(svd_factors(d, rank, scale)), dense)
+      return factors, jax.vmap(lambda t: products(t, scale))(factors)
+
+    # The SVDs run in the cluster stage only.
+    cl_new, cl_dense = jax.lax.cond(
+        in_cluster, truncate_clusters,
+        lambda: (ms.clusters, ms.cluster_dense))
     cl_step = jax.vmap(_relative)(ms.cluster_dense, cl_dense)
     update = in_cluster & (total > 0) & ~ms.cluster_frozen
     clusters = _rows_where(update, cl_new, ms.clusters)
