@@ -66,6 +66,14 @@ CORE: tuple[Setting, ...] = (
       '(central pretraining, distillation).'),
     S('local_test_fraction', 0.1, "Share of each client's data kept as its "
       'local test split (Horus uses 0.2).'),
+    S('unseen_clients', 0, 'Newcomers: this many more clients are '
+      'partitioned with the --num_clients that train, never take part, and '
+      'after the last round each adapts the model a new client gets '
+      '(fresh adapter on it) for --unseen_epochs on its own data; '
+      'unseen_accuracy is their mean on their own test splits (HiLoRA '
+      'Sec. 5.1 holds out 20%). Spread over the domains when the '
+      'partition has them.'),
+    S('unseen_epochs', 5, "Newcomers' local fine-tuning epochs."),
     S('max_train_examples', 0, 'Subsample the training split (0: use all).'),
     S('global_test_per_class', 0, 'Evaluate on a seeded, class-balanced '
       'sample of this many test images per class (Horus); 0: the whole '
@@ -216,7 +224,7 @@ CORE: tuple[Setting, ...] = (
 RESUMABLE_KEYS = frozenset({
     'num_rounds', 'eval_every', 'eval_batch_size', 'checkpoint_every',
     'checkpoints_keep', 'workdir', 'overwrite', 'force_overwrite',
-    'on_divergence', 'log_clients'})
+    'on_divergence', 'log_clients', 'unseen_epochs'})
 # Changing these on resume is allowed (same math, other program), but the
 # final parameters then match an uninterrupted run only within float
 # tolerance, not bitwise.

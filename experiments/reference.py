@@ -4,7 +4,8 @@
 reference file of Fashion-MNIST numbers (rows: paper, table, method,
 setting, metric, value; a metric such as 'A/R/V' packs several values as
 '85.10/91.13/88.11'). RFD-LoRA reports GLUE only; its rows are in
-`rfd_lora_glue.csv`, in the same format (`PATHS`).
+`rfd_lora_glue.csv`, and HiLoRA's (DomainNet, ViT-B) in `hilora.csv`, in
+the same format (`PATHS`).
 
 A run is matched to a row by its paper-side method name (given per sweep
 cell, see sweep.py --axes) and by a setting string built from the run's own
@@ -19,14 +20,17 @@ import os
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'reference')
 PATH = os.path.join(_DIR, 'paper_results.csv')
 # Papers whose rows live in a file of their own.
-PATHS = {'RFD-LoRA': os.path.join(_DIR, 'rfd_lora_glue.csv')}
+PATHS = {'RFD-LoRA': os.path.join(_DIR, 'rfd_lora_glue.csv'),
+         'HiLoRA': os.path.join(_DIR, 'hilora.csv')}
 
 # Paper metric name -> the metrics.jsonl key it corresponds to.
 METRIC_KEYS = {'A': 'test_accuracy', 'R': 'backdoor_failure_rate',
                'V': 'tradeoff_v', 'acc': 'test_accuracy',
                'global_acc': 'test_accuracy', 'local': 'local_accuracy',
                'CA': 'test_accuracy', 'RA': 'robust_accuracy',
-               'ASR': 'attack_success_rate'}
+               'ASR': 'attack_success_rate',
+               'Mean': 'personal_accuracy', 'Worst': 'personal_accuracy_p10',
+               'Unseen': 'unseen_accuracy'}
 
 # Tables whose single metric packs one value per column of a setting:
 # (paper, table) -> (the column's name in the setting string, its values).
@@ -59,9 +63,15 @@ def _rfd_lora_setting(config: dict) -> str:
   return f"{skew} rho={config['malicious_fraction']:.2f}"
 
 
+def _hilora_setting(config: dict) -> str:
+  if config['partition'] == 'group_dirichlet':
+    return 'domain skew'
+  return config['partition']
+
+
 # paper -> config -> the paper's setting string.
 SETTINGS = {'SDFC': _sdfc_setting, 'Horus': _horus_setting,
-            'RFD-LoRA': _rfd_lora_setting}
+            'RFD-LoRA': _rfd_lora_setting, 'HiLoRA': _hilora_setting}
 
 
 def path_of(paper: str) -> str:

@@ -198,12 +198,17 @@ def read_final(workdir: str, metrics: list[str], last_k: int
   rows = []
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f if line.strip()]
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    summary = json.load(f)
   out = {}
   for m in metrics:
     if m in SUMMARY_METRICS:
       out[m] = SUMMARY_METRICS[m](workdir)
       continue
     values = [r[m] for r in rows[-last_k:] if r.get(m) is not None]
+    # Run-level figures (cluster_ari, unseen_accuracy) live in summary.json.
+    if not values and isinstance(summary.get(m), (int, float)):
+      values = [summary[m]]
     out[m] = sum(values) / len(values) if values else None
   return out
 

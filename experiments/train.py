@@ -41,11 +41,12 @@ from experiments import workdir as workdir_lib
 from experiments.devices import configure_cpu_devices
 from experiments.workdir import ConfigMismatchError, WorkdirError
 from experiments.threat import build_threat
-from fedrobust import aggregators
+from fedrobust import adapt, aggregators
 from fedrobust.checkpoint import CheckpointError, Checkpointer
 from fedrobust.cohort import Cohort, split_roles
 from fedrobust.data import (DEFAULT_FASHION_MNIST_DIR, DataNotFoundError,
-                            build_federated_setup, load_dataset, subsample)
+                            build_federated_setup, hold_out, load_dataset,
+                            subsample)
 from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               client_mesh, default_strategy, evaluate,
                               evaluate_clients, init_server_state,
@@ -98,18 +99,23 @@ def validate(config: dict[str, Any]) -> None:
                      f'expected one of {sorted(METHODS)}')
   positive = ('num_clients', 'num_rounds', 'local_epochs', 'batch_size',
               'eval_every', 'eval_batch_size', 'checkpoint_every',
-              'checkpoints_keep')
+              'checkpoints_keep', 'unseen_epochs')
   for key in positive:
     if config[key] < 1:
       raise ValueError(f'--{key} must be >= 1, got {config[key]}')
   for key in ('clients_per_round', 'max_train_examples', 'validation_size',
               'public_size', 'chunk_size', 'scan_unroll', 'num_devices',
-              'cpu_devices', 'pretrain_epochs', 'global_test_per_class'):
+              'cpu_devices', 'pretrain_epochs', 'global_test_per_class',
+              'unseen_clients'):
     if config[key] < 0:
       raise ValueError(f'--{key} must be >= 0, got {config[key]}')
   if config['clients_per_round'] > config['num_clients']:
     raise ValueError(f"--clients_per_round={config['clients_per_round']} "
                      f"exceeds --num_clients={config['num_clients']}")
+  if config['unseen_clients'] and not config['local_test_fraction'] > 0:
+    raise ValueError(f"--unseen_clients={config['unseen_clients']} scores "
+                     'the newcomers on their own test splits: it needs '
+                     '--local_test_fraction > 0')
   finite = lambda v: isinstance(v, (int, float)) and np.isfinite(v)
   for key, value in config.items():
     if isinstance(value, float) and not np.isfinite(value):
@@ -486,6 +492,7 @@ class Program(NamedTuple):
   optimizer: Any
   server_data: dict[str, Any]
   resolved: dict[str, Any]
+  unseen: Any = None      # the newcomers' FederatedSetup (--unseen_clients)
 
 
 def build(config: dict[str, Any]) -> Program:
@@ -506,7 +513,7 @@ def build(config: dict[str, Any]) -> Program:
   dataset = load_dataset(config['dataset'], config['data_dir'])
   dataset = subsample(dataset, config['max_train_examples'], config['seed'])
   setup = build_federated_setup(
-      dataset, num_clients=config['num_clients'],
+      dataset, num_clients=config['num_clients'] + config['unseen_clients'],
       partition_name=config['partition'], seed=config['seed'],
       dirichlet_alpha=config['dirichlet_alpha'],
       classes_per_client=config['classes_per_client'],
@@ -517,6 +524,7 @@ def build(config: dict[str, Any]) -> Program:
       local_test_fraction=config['local_test_fraction'],
       eval_batch_size=config['eval_batch_size'],
       global_test_per_class=config['global_test_per_class'])
+  setup, unseen = hold_out(setup, config['unseen_clients'], config['seed'])
   cohorts, specs = build_cohorts(
       config, num_classes=setup.num_classes, input_shape=setup.input_shape,
       conv_impl=conv_impl, compute_dtype=compute_dtype)
@@ -583,7 +591,7 @@ def build(config: dict[str, Any]) -> Program:
               'steps_per_round': local.num_steps, 'padded_client_size': n_max,
               'aggregator': config['aggregator']}
   return Program(setup, cohorts, specs, method, threat, round_config, mesh,
-                 local, optimizer, server_data, resolved)
+                 local, optimizer, server_data, resolved, unseen)
 
 
 # ----------------------------------------------------------------------------
@@ -693,6 +701,14 @@ class Evaluator:
                               np.asarray(local['accuracy'])):
           if ok:
             own_local[i] = float(acc)
+    # Personalisation (the personalised-FL papers' "mean" and "worst
+    # 10%"), comparable across methods: every client's accuracy on its own
+    # test split with its own model (the last per-client model a method
+    # reports), else with its cohort's global model.
+    mine = np.array(list(own_local.values()), np.float64)
+    if mine.size:
+      row['personal_accuracy'] = float(np.mean(mine))
+      row['personal_accuracy_p10'] = float(np.percentile(mine, 10))
     if len(self.cohorts) > 1:
       share = np.array([len(c.members) for c in self.cohorts], np.float64)
       share /= share.sum()
@@ -751,6 +767,7 @@ class Evaluator:
 
 
 HEADLINE = ('test_accuracy', 'local_accuracy', 'local_accuracy_p10',
+            'personal_accuracy', 'personal_accuracy_p10',
             'attack_success_rate',
             'backdoor_failure_rate', 'tradeoff_v', 'robust_accuracy',
             'clean_target_rate')
@@ -775,6 +792,54 @@ def clustering_summary(method_state, client_groups) -> dict[str, Any]:
     truth = np.asarray(client_groups)[:len(assign)]
     out['true_clusters'] = int(len(set(truth[truth >= 0].tolist())))
     out['cluster_ari'] = adjusted_rand_index(truth, assign)
+  return out
+
+
+def adapt_unseen(program: Program, state, evaluator: 'Evaluator', put,
+                 config: dict[str, Any]) -> dict[str, Any]:
+  """The newcomers (--unseen_clients): each adapts the model the method
+  gives a new client for --unseen_epochs on its own data
+  (fedrobust.adapt) and is scored on its own test split. Returns
+  summary entries: unseen_accuracy (mean over newcomers), its 10th
+  percentile, the per-newcomer accuracies and, for a clustering method,
+  the cluster each was routed to and unseen_route_accuracy (the share
+  routed to a cluster whose members' majority domain is theirs)."""
+  unseen = program.unseen
+  t0 = time.perf_counter()
+  local = program.local._replace(num_epochs=config['unseen_epochs'],
+                                 unroll=1)
+  fn = jax.jit(functools.partial(
+      adapt.adapt_newcomers, program.method, program.cohorts,
+      local=local, optimizer=program.optimizer))
+  params, info = fn(state, put(jax.tree.map(jnp.asarray, unseen.train)),
+                    jax.random.key(config['seed'] + 7))
+  local_test = put(tuple(jnp.asarray(a) for a in unseen.local_test))
+  k = unseen.train.count.shape[0]
+  scores = jax.device_get(evaluator.own_fns[0](
+      params, jnp.arange(k, dtype=jnp.int32), local_test))
+  has = np.asarray(scores['count']) > 0
+  acc = np.asarray(scores['accuracy'])
+  out = {'unseen_accuracy': float(np.mean(acc[has])) if has.any() else None,
+         'unseen_accuracy_p10': (float(np.percentile(acc[has], 10))
+                                 if has.any() else None),
+         'unseen_client_accuracy': [float(a) for a in acc],
+         'unseen_seconds': time.perf_counter() - t0}
+  info = jax.device_get(info)
+  if 'cluster' in info:
+    routes = np.asarray(info['cluster']).astype(int)
+    out['unseen_cluster'] = routes.tolist()
+    assign = np.asarray(jax.device_get(state.method_state.assign))
+    truth = program.setup.client_groups
+    if unseen.client_groups is not None and truth is not None:
+      majority = {j: np.bincount(truth[assign == j]).argmax()
+                  for j in set(assign.tolist()) if j >= 0}
+      out['unseen_groups'] = unseen.client_groups.tolist()
+      out['unseen_route_accuracy'] = float(np.mean(
+          [majority.get(r, -1) == g
+           for r, g in zip(routes, unseen.client_groups)]))
+  logging.info('newcomers: %d adapted for %d epochs, accuracy %s (%.1fs)',
+               k, config['unseen_epochs'], _fmt(out['unseen_accuracy']),
+               out['unseen_seconds'])
   return out
 
 
@@ -1033,6 +1098,9 @@ def _run_locked(config: dict[str, Any], program: Program,
   final_finite = bool(jax.device_get(all_finite(state.params)))
   status = 'completed' if final_finite and not (
       diverged_at and on_divergence == 'stop') else 'diverged'
+  newcomers = {}
+  if program.unseen is not None and status == 'completed':
+    newcomers = adapt_unseen(program, state, evaluator, put, config)
   final = rows[-1] if rows else {}
   last5 = {}
   keys = sorted({k for r in rows[-5:] for k in r
@@ -1070,6 +1138,7 @@ def _run_locked(config: dict[str, Any], program: Program,
               classes=int(setup.num_classes))
           for j, c in enumerate(cohorts)},
       **clustering_summary(state.method_state, setup.client_groups),
+      **newcomers,
       'pretrain': pretrain_info,
       'compile_seconds': compile_seconds,
       'flops_per_round': flops_per_round,

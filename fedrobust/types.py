@@ -165,6 +165,11 @@ class Method(NamedTuple):
       cohort j (every member runs it); server_setup(state, results) ->
       method_state, results a tuple over cohorts of (ids [K_j], mask,
       stacked outputs).
+  newcomer: optional; what a client that never took part starts from
+      (fedrobust.adapt): newcomer(state, local: LocalData, key) ->
+      (full params of cohort 0, info dict of scalars), for ONE newcomer,
+      which may use its own data (HiLoRA routes it to a cluster). None:
+      the headline global model.
   """
   name: str
   init: Callable[..., tuple[tuple[Params, ...], PyTree]]
@@ -176,3 +181,4 @@ class Method(NamedTuple):
   provides: frozenset = frozenset()
   client_setup: Callable[..., PyTree] | None = None
   server_setup: Callable[..., PyTree] | None = None
+  newcomer: Callable[..., tuple[Params, dict]] | None = None

@@ -137,6 +137,45 @@ class RouteTest(absltest.TestCase):
     self.assertNotEqual(int(hs.route(u, clusters, valid.at[2].set(False))),
                         2)
 
+  def test_scores_are_one_minus_the_distance_and_average_over_modules(self):
+    rng = np.random.default_rng(6)
+    clusters = np.stack([_orthonormal(rng, 16, 2) for _ in range(3)])
+    u = _orthonormal(rng, 16, 2)
+    scores = np.asarray(hs.route_scores(u, clusters))
+    want = [1 - float(hs.subspace_distance(u, c)) for c in clusters]
+    np.testing.assert_allclose(scores, want, rtol=1e-5)
+    np.testing.assert_allclose(hs.route_scores(clusters[1], clusters)[1], 1,
+                               rtol=1e-5)
+    # Module 1 points at cluster 0 weakly, module 2 at cluster 1 strongly.
+    m1 = np.array([0.6, 0.5, 0.0])
+    m2 = np.array([0.1, 0.9, 0.0])
+    self.assertEqual(int(hs.best_cluster((m1 + m2) / 2, jnp.ones(3, bool))),
+                     1)
+
+
+class CosineKmeansTest(absltest.TestCase):
+
+  def test_gram_embedding_keeps_distances(self):
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(6, 40)).astype(np.float32)
+    emb = np.asarray(hs.gram_embedding(jnp.asarray(x @ x.T),
+                                       jnp.ones(6, bool)))
+    d = lambda a: np.linalg.norm(a[:, None] - a[None], axis=-1)
+    np.testing.assert_allclose(d(emb), d(x), rtol=1e-3, atol=1e-3)
+
+  def test_groups_by_direction_whatever_the_norm(self):
+    rng = np.random.default_rng(8)
+    dirs = rng.normal(size=(3, 50))
+    truth = np.array([0, 0, 1, 1, 2, 2, 0, 1, 2, 0])
+    x = np.stack([dirs[t] * rng.uniform(0.1, 10) + 0.05 * rng.normal(size=50)
+                  for t in truth]).astype(np.float32)
+    # Two garbage slots, masked.
+    x = np.concatenate([x, np.full((2, 50), 1e6, np.float32)])
+    mask = jnp.asarray([True] * 10 + [False] * 2)
+    labels = np.asarray(hs.cosine_kmeans(jnp.asarray(x @ x.T), mask, 3))
+    self.assertEqual(labels[10:].tolist(), [-1, -1])
+    self.assertEqual(hs.adjusted_rand_index(truth, labels[:10]), 1.0)
+
 
 class PenaltyTest(chex.TestCase):
 

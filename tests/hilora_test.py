@@ -73,8 +73,10 @@ class CascadeTest(absltest.TestCase):
   def test_personal_models_compose_the_three_tiers(self):
     state = self.states[3]
     ms = state.method_state
-    headline, personal = self.method.eval_models(state)
+    headline, tiers, personal = self.method.eval_models(state)
     self.assertTrue(personal.per_client)
+    self.assertTrue(tiers.per_client)
+    np.testing.assert_array_equal(tiers.index, ms.assign)
     for p in ms.root_dense:
       kernel = get_path(ms.base, p)['kernel']
       np.testing.assert_allclose(
@@ -88,6 +90,11 @@ class CascadeTest(absltest.TestCase):
         np.testing.assert_allclose(
             get_path(personal.params, p)['kernel'][i],
             kernel + want.reshape(kernel.shape), rtol=1e-4, atol=1e-5)
+        row = int(tiers.index[i])
+        np.testing.assert_allclose(
+            get_path(tiers.params, p)['kernel'][row],
+            kernel + (ms.root_dense[p] + ms.cluster_dense[p][ms.assign[i]]
+                      ).reshape(kernel.shape), rtol=1e-4, atol=1e-5)
 
 
 class CpuLapackTest(absltest.TestCase):
@@ -131,7 +138,37 @@ class SettingsTest(absltest.TestCase):
       build((2,), k_min=3, k_max=2)
     with self.assertRaisesRegex(SettingError, 'cluster_basis'):
       build((2,), cluster_basis='nope')
+    with self.assertRaisesRegex(SettingError, 'clustering'):
+      build((2,), clustering='nope')
+    with self.assertRaisesRegex(SettingError, 'probe_epochs'):
+      build((2,), probe_epochs=0)
     self.assertEqual(build((2,)).name, 'hilora')
+
+  def test_vanilla_cosine_kmeans_clusters_at_the_end_of_the_root_stage(self):
+    """Table 4's ablation row: k-means (K = k_max) on the root round's
+    product-space updates; a server step of the tiny case with all four
+    clients arriving."""
+    model = models.get_model('mlp', num_classes=NUM_CLASSES,
+                             input_shape=IMAGE, hidden=(5,))
+    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=2)
+    method = get_method(
+        'hilora', cohorts=single_cohort(
+            model, lora(model, ranks=(2,), targets=('all',)), 4, 4,
+            (2.0,) * 4),
+        local=local, optimizer=engine.sgd(learning_rate=0.1),
+        root_rounds=1, cluster_rounds=1, k_max=2, clustering='cosine_kmeans')
+    _, _, state, data, server_data = case(*NAME)
+    ids = jnp.arange(4, dtype=jnp.int32)
+    cs = method.client_state(state.method_state, 0, ids)
+    outs = jax.vmap(lambda i, c, k: method.client_update(
+        0, method.broadcast(state, 0), c,
+        LocalData(data.x, data.y, i, data.count[i]), k, server_data))(
+            ids, cs, jax.random.split(jax.random.key(0), 4))
+    arr = (Arrivals(ids, jnp.ones(4, bool), outs, jnp.zeros(4, jnp.int32)),)
+    _, ms, _ = jax.jit(method.server_update)(state, arr, jax.random.key(1),
+                                             server_data)
+    self.assertEqual(int(ms.num_clusters), 2)
+    self.assertEqual(sorted(set(np.asarray(ms.assign).tolist())), [0, 1])
 
 
 if __name__ == '__main__':

@@ -408,8 +408,18 @@ class EndToEndTest(IdxDataTestCase):
         self.data_dir, workdir, method='hilora', transform='lora',
         lora_ranks='2', lora_targets='first,head', clients_per_round=4,
         num_rounds=3, global_test_per_class=5, hilora_root_rounds=1,
-        hilora_cluster_rounds=1, hilora_k_min=2, hilora_k_max=3))
+        hilora_cluster_rounds=1, hilora_k_min=2, hilora_k_max=3,
+        unseen_clients=2, unseen_epochs=1))
     self.assertEqual(summary['status'], 'completed')
+    # Two newcomers, routed to existing clusters, adapted and scored.
+    self.assertLen(summary['unseen_client_accuracy'], 2)
+    self.assertBetween(summary['unseen_accuracy'], 0.0, 1.0)
+    for j in summary['unseen_cluster']:
+      self.assertIn(j, range(summary['num_clusters']))
+    # The cross-method personalisation figure is the personal models'.
+    self.assertAlmostEqual(summary['final']['personal_accuracy'],
+                           summary['final']['local_accuracy/personal'])
+    self.assertIn('local_accuracy/root_cluster', summary['final'])
     self.assertBetween(summary['num_clusters'], 2, 3)
     assign = summary['cluster_assignment']
     self.assertLen(assign, 4)

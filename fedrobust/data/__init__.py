@@ -1,8 +1,10 @@
 """Data: sources, server/client splits, partitioners, fixed-shape stacking."""
 
 from fedrobust.data.federated import (EvalSet, FederatedSetup,
-                                      build_federated_setup, stack_clients,
-                                      stack_eval_sets, subsample)
+                                      build_federated_setup, hold_out,
+                                      select_clients, stack_clients,
+                                      stack_eval_sets, subsample,
+                                      unseen_clients)
 from fedrobust.data.partition import PARTITIONERS, class_histograms
 from fedrobust.data.sources import (DATASETS, DEFAULT_FASHION_MNIST_DIR,
                                     DataNotFoundError, Dataset, load_dataset)

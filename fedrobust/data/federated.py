@@ -154,3 +154,55 @@ def build_federated_setup(dataset: Dataset, *, num_clients: int,
       num_classes=dataset.num_classes,
       input_shape=tuple(dataset.train_x.shape[1:]),
       client_groups=client_groups)
+
+
+def unseen_clients(num_clients: int, num_unseen: int, seed: int,
+                   groups: np.ndarray | None = None) -> np.ndarray:
+  """Which of num_clients clients are held out as unseen (sorted ids).
+
+  Without groups, a seeded random draw. With groups (each client's true
+  domain), the draw is spread over the groups as evenly as it can be (a
+  group's share differs by at most one), so every domain has newcomers.
+  """
+  if not 0 <= num_unseen < num_clients:
+    raise SettingError('unseen_clients', f'must be in [0, {num_clients}) '
+                       f'for {num_clients} clients in all, got {num_unseen}')
+  rng = np.random.default_rng([seed, 0x0E5E])
+  if groups is None:
+    return np.sort(rng.permutation(num_clients)[:num_unseen])
+  groups = np.asarray(groups)
+  # Round robin over the groups (in a random order), a random client each.
+  pools = {g: list(rng.permutation(np.flatnonzero(groups == g)))
+           for g in rng.permutation(np.unique(groups))}
+  out = []
+  while len(out) < num_unseen:
+    for pool in pools.values():
+      if pool and len(out) < num_unseen:
+        out.append(pool.pop())
+  return np.sort(np.asarray(out, np.int64))
+
+
+def select_clients(setup: FederatedSetup, ids: np.ndarray) -> FederatedSetup:
+  """The setup restricted to clients `ids` (in that order), renumbered
+  0..len(ids)-1; the server-side sets are kept. The padded client size N
+  stays, so a program built for one part runs the other."""
+  ids = np.asarray(ids, np.int64)
+  pick = lambda tree: type(tree)(*(a[ids] for a in tree))
+  return setup._replace(
+      train=pick(setup.train), local_test=pick(setup.local_test),
+      histograms=setup.histograms[ids],
+      client_groups=(None if setup.client_groups is None
+                     else setup.client_groups[ids]))
+
+
+def hold_out(setup: FederatedSetup, num_unseen: int, seed: int
+             ) -> tuple[FederatedSetup, FederatedSetup | None]:
+  """Splits the federation into the clients that train and `num_unseen`
+  newcomers that never take part (their own data and local test split
+  are kept for adapting to them after training, HiLoRA Sec. 5.1)."""
+  if not num_unseen:
+    return setup, None
+  k = setup.train.count.shape[0]
+  out = unseen_clients(k, num_unseen, seed, setup.client_groups)
+  keep = np.setdiff1d(np.arange(k), out)
+  return select_clients(setup, keep), select_clients(setup, out)

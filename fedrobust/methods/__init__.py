@@ -12,6 +12,7 @@ from fedrobust.methods.fedlora import (FEDIT, FFA_LORA, FLEXLORA, FLORA,
                                       LORA_FAIR, fedit)
 from fedrobust.methods.hilora import HILORA, hilora
 from fedrobust.methods.horus import HORUS, horus
+from fedrobust.methods.personal_lora import FEDSA_LORA, LOCAL_LORA
 from fedrobust.methods.rfd_lora import RFD_LORA, rfd_lora
 from fedrobust.methods.sdfc import SDFC, sdfc
 from fedrobust.types import Method
@@ -22,11 +23,13 @@ METHODS: dict[str, MethodSpec] = {
     'fedhan': FEDHAN,
     'fedit': FEDIT,
     'fedprox': FEDPROX,
+    'fedsa_lora': FEDSA_LORA,
     'ffa_lora': FFA_LORA,
     'flexlora': FLEXLORA,
     'flora': FLORA,
     'hilora': HILORA,
     'horus': HORUS,
+    'local_lora': LOCAL_LORA,
     'lora_fair': LORA_FAIR,
     'rfd_lora': RFD_LORA,
     'sdfc': SDFC,

@@ -100,7 +100,8 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
            root_rounds: int = 20, cluster_rounds: int = 20,
            tau_rel: float = 0.01, gamma_c: float = 0.1,
            gamma_l: float = 0.1, ema_decay: float = 0.9, k_min: int = 2,
-           k_max: int = 8, cluster_basis: str = 'factor') -> Method:
+           k_max: int = 8, cluster_basis: str = 'factor',
+           probe_epochs: int = 1, clustering: str = 'subspace') -> Method:
   """HiLoRA on one LoRA cohort of a single rank.
 
   Args:
@@ -114,6 +115,11 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     k_min, k_max: the eigengap's range of cluster counts (Sec. 3.2).
     cluster_basis: what the EMA tracks, 'factor' (the client's trained
       basis B_i, the paper) or 'update' (B_i - B_root, its local change).
+    probe_epochs: a newcomer's probe training before routing (Sec. 3.4's
+      "few local gradient steps").
+    clustering: 'subspace' (Sec. 3.2) or 'cosine_kmeans', Table 4's
+      vanilla clustering: k-means with K = k_max on the clients' last
+      root-round updates in product space, L2-normalised (cosine).
   """
   del aggregator, server_lr
   if len(cohorts) != 1 or cohorts[0].transform.name != 'lora':
@@ -139,6 +145,13 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     if value < 0:
       raise SettingError(name, f'must be >= 0, got {value}',
                          component='method hilora')
+  if clustering not in ('subspace', 'cosine_kmeans'):
+    raise SettingError('clustering', "must be 'subspace' or "
+                       f"'cosine_kmeans', got {clustering!r}",
+                       component='method hilora')
+  if probe_epochs < 1:
+    raise SettingError('probe_epochs', f'must be >= 1, got {probe_epochs}',
+                       component='method hilora')
   if not 0 <= ema_decay < 1:
     raise SettingError('ema_decay', f'must be in [0, 1), got {ema_decay}',
                        component='method hilora')
@@ -286,6 +299,13 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     root_done = in_root & ((root_step <= tau_rel) | (root_count >= root_rounds))
     # Sec. 3.2, once: at the end of the root stage.
     def cluster_clients():
+      if clustering == 'cosine_kmeans':     # Table 4's vanilla clustering
+        gram = sum(jnp.einsum('c...,d...->cd', v - ms.root_dense[p][None],
+                              v - ms.root_dense[p][None])
+                   for p, v in prods.items())
+        labels = hs.cosine_kmeans(gram, mask, k_max)
+        return (scatter_clients(jnp.full((n,), -1, jnp.int32), ids, labels,
+                                mask), jnp.int32(k_max))
       subspaces = [per_matrix(hs.subspace, ema[p]) for p in cluster_paths]
       labels, k, _ = hs.spectral_clusters(hs.distance_matrix(subspaces),
                                           seen, k_min=k_min, k_max=k_max)
@@ -355,17 +375,61 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
             for p in ms.root_dense}
 
   def eval_models(state):
+    """The root model (headline), every client's personal model
+    ('personal', last) and, for Table 3's stage gains, root + its cluster
+    ('root_cluster': one row per cluster and a root-only row for clients
+    without one, so it costs K_max + 1 models)."""
     ms = state.method_state
     members = jnp.asarray(cohort.members)
     dense = {p: v[members] for p, v in personal_dense(ms).items()}
     own = jax.vmap(lambda d: add_dense(ms.base, d))(dense)
+    after = (ms.stage >= CLUSTER).astype(jnp.float32)
+    tiers = {p: ms.root_dense[p][None] + jnp.concatenate(
+        [ms.cluster_dense[p] * after, jnp.zeros_like(ms.cluster_dense[p][:1])])
+             for p in ms.root_dense}
+    assign = ms.assign[members]
+    index = jnp.where(assign >= 0, assign, k_max)
+    # The personal model last: it is each client's own model in the
+    # evaluator's cross-method personal_accuracy.
     return (EvalModel('', 0, add_dense(ms.base, ms.root_dense)),
+            EvalModel('root_cluster', 0,
+                      jax.vmap(lambda d: add_dense(ms.base, d))(tiers),
+                      clients=cohort.members, per_client=True, index=index),
             EvalModel('personal', 0, own, clients=cohort.members,
                       per_client=True))
 
+  probe_local = local._replace(num_epochs=probe_epochs, unroll=1)
+
+  def newcomer(state, data, key):
+    """Sec. 3.4: a newcomer's probe basis B_u (a fresh adapter trained
+    for probe_epochs over W0 + root), routed to the cluster whose
+    subspace it overlaps most (mean cos^2 of the principal angles,
+    averaged over the clustered modules); it starts from W0 + root + that
+    cluster. Before clustering it gets W0 + root."""
+    ms = state.method_state
+    frozen = add_dense(ms.base, ms.root_dense)
+    init_key, probe_key = jax.random.split(key)
+    _, fresh = transform.init(frozen, init_key)
+    probe, _ = local_sgd(
+        classification_loss(lambda t, x, *, train=False, key=None:
+                            transform.apply(frozen, t, x, train=train,
+                                            key=key)),
+        fresh, data, probe_key, optimizer=optimizer, config=probe_local)
+    scores = sum(
+        hs.route_scores(hs.subspace(hs.basis_of(get_path(probe, p)['b'])),
+                        per_matrix(lambda b: hs.subspace(hs.basis_of(b)),
+                                   get_path(ms.clusters, p)['b']))
+        for p in cluster_paths) / len(cluster_paths)
+    has = ms.num_clusters > 0
+    j = hs.best_cluster(scores, jnp.arange(k_max) < ms.num_clusters)
+    start = add_dense(ms.base, {
+        p: ms.root_dense[p] + ms.cluster_dense[p][j] * has
+        for p in ms.root_dense})
+    return start, {'cluster': jnp.where(has, j, -1)}
+
   return Method('hilora', init, broadcast, client_state, client_update,
                 server_update, eval_models,
-                provides=frozenset({'weights', 'ids'}))
+                provides=frozenset({'weights', 'ids'}), newcomer=newcomer)
 
 
 def _relative(old: dict, new: dict) -> jax.Array:
@@ -391,5 +455,11 @@ HILORA = MethodSpec(
         Setting('k_min', 2, 'Smallest cluster count the eigengap may pick.'),
         Setting('k_max', 8, 'Largest cluster count the eigengap may pick.'),
         Setting('cluster_basis', 'factor', "The EMA's basis: 'factor' "
-                "(B_i, the paper) or 'update' (B_i - B_root).")),
+                "(B_i, the paper) or 'update' (B_i - B_root)."),
+        Setting('probe_epochs', 1, "A newcomer's probe training (epochs) "
+                'before it is routed to a cluster (Sec. 3.4).'),
+        Setting('clustering', 'subspace', "'subspace' (Sec. 3.2: LoRA "
+                "subspaces, eigengap K) or 'cosine_kmeans' (Table 4's "
+                'vanilla ablation: k-means, K = k_max, on the normalised '
+                'product-space updates of the last root round).')),
     uses_aggregator=False)

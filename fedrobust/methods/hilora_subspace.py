@@ -192,9 +192,21 @@ def route(u: jax.Array, cluster_subspaces: jax.Array, valid: jax.Array
 
   u: [p, r] orthonormal; cluster_subspaces: [K_max, p, r]; valid: bool
   [K_max] (clusters that exist). Returns int32[]."""
+  return best_cluster(route_scores(u, cluster_subspaces), valid)
+
+
+def route_scores(u: jax.Array, cluster_subspaces: jax.Array) -> jax.Array:
+  """mean cos^2 of the principal angles between U_u [p, r] and every
+  cluster's subspace [K_max, p, r]: float32[K_max] (1 - Eq. 8's distance).
+  With several modules, average these over the modules before
+  best_cluster, as Eq. 9 averages the distances."""
   overlap = jnp.einsum('pr,kps->krs', u, cluster_subspaces)
-  score = jnp.sum(jnp.square(overlap), axis=(1, 2)) / u.shape[-1]
-  return jnp.argmax(jnp.where(valid, score, -jnp.inf)).astype(jnp.int32)
+  return jnp.sum(jnp.square(overlap), axis=(1, 2)) / u.shape[-1]
+
+
+def best_cluster(scores: jax.Array, valid: jax.Array) -> jax.Array:
+  """argmax of scores [K_max] over the clusters that exist (valid)."""
+  return jnp.argmax(jnp.where(valid, scores, -jnp.inf)).astype(jnp.int32)
 
 
 def orthogonality_penalty(frozen: jax.Array, basis: jax.Array) -> jax.Array:
@@ -231,3 +243,25 @@ def adjusted_rand_index(truth: np.ndarray, pred: np.ndarray) -> float:
   if top == expected:            # both labelings trivial: identical
     return 1.0
   return float((index - expected) / (top - expected))
+
+
+def gram_embedding(gram: jax.Array, mask: jax.Array) -> jax.Array:
+  """Points [N, N] whose pairwise Euclidean distances are those of the
+  vectors with Gram matrix `gram` (G = V L V^T, X = V sqrt(L)), so k-means
+  on X is k-means on the vectors without holding them. Masked slots are
+  zeroed."""
+  g = jnp.where(mask[:, None] & mask[None, :], gram, 0.0)
+  values, vectors = jnp.linalg.eigh(g)
+  return vectors * jnp.sqrt(jnp.maximum(values, 0.0))[None, :]
+
+
+def cosine_kmeans(gram: jax.Array, mask: jax.Array, k: int, *, iters: int = 50
+                  ) -> jax.Array:
+  """The ablation's vanilla clustering (HiLoRA Table 4, row 1): k-means on
+  the clients' L2-normalised flattened updates (cosine geometry), from
+  their Gram matrix [N, N]. Returns labels int32[N], -1 where masked."""
+  norm = jnp.sqrt(jnp.maximum(jnp.diag(gram), _EPS))
+  cos = gram / norm[:, None] / norm[None, :]
+  return kmeans(gram_embedding(cos, mask), mask, jnp.int32(k),
+                k_max=k, iters=iters)
+
