@@ -12,7 +12,7 @@ from fedrobust import adapt, engine
 from fedrobust.data import hold_out, unseen_clients
 from fedrobust.data.federated import EvalSet, FederatedSetup
 from fedrobust.errors import SettingError
-from fedrobust.methods.fedlora import add_dense, lora_modules, products
+from fedrobust.methods.fedlora import add_dense, lora_modules
 from fedrobust.transforms.base import get_path
 from fedrobust.types import FederatedData, LocalData
 from tests.engine_test import toy_data
