@@ -10,6 +10,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from fedrobust.data import federated
 from fedrobust.data import partition
 from fedrobust.data import sources
 from fedrobust.data import splits
@@ -120,6 +121,34 @@ class GroupDirichletTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, 'num_clients=2'):
       partition.partition('group_dirichlet', labels, 2, seed=0,
                           groups=np.arange(len(labels)) % 4)
+
+
+class SuperclassDirichletTest(absltest.TestCase):
+
+  def test_clients_hold_one_fashion_mnist_superclass(self):
+    labels = _balanced_labels(10, 3000)
+    table = partition.SUPERCLASSES['fashion_mnist']
+    self.assertEqual([c for c in range(10) if table[c] == 0], [0, 2, 4, 6])
+    self.assertEqual([c for c in range(10) if table[c] == 1], [5, 7, 9])
+    parts = partition.partition('superclass_dirichlet', labels, 9, seed=1,
+                                superclasses=table, dirichlet_alpha=0.3)
+    _assert_partition(self, parts, len(labels))
+    owner = partition.group_of_clients(9, 3)
+    for k, part in enumerate(parts):
+      self.assertEqual({table[c] for c in labels[part]}, {owner[k]})
+    with self.assertRaisesRegex(ValueError, 'superclasses'):
+      partition.partition('superclass_dirichlet', labels, 9, seed=1)
+
+  def test_setup_reports_the_superclasses_as_true_clusters(self):
+    rng = np.random.default_rng(0)
+    y = np.tile(np.arange(10), 60).astype(np.int32)
+    x = rng.integers(0, 255, (len(y), 4, 4, 1), dtype=np.uint8)
+    ds = sources.Dataset(x, y, x[:20], y[:20], 10, 'fashion_mnist')
+    setup = federated.build_federated_setup(
+        ds, num_clients=6, partition_name='superclass_dirichlet', seed=0,
+        dirichlet_alpha=0.5)
+    np.testing.assert_array_equal(setup.client_groups,
+                                  partition.group_of_clients(6, 3))
 
 
 class DirichletTest(parameterized.TestCase):

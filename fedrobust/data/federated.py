@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from fedrobust.data.partition import class_histograms, partition
+from fedrobust.data.partition import (SUPERCLASSES, class_histograms,
+                                      partition)
 from fedrobust.errors import SettingError
 from fedrobust.data.sources import Dataset
 from fedrobust.data.splits import local_train_test_split, make_server_splits
@@ -117,11 +118,16 @@ def build_federated_setup(dataset: Dataset, *, num_clients: int,
                               public_size=public_size, seed=seed)
   pool = server.client_pool
   groups = dataset.train_groups
+  superclasses = SUPERCLASSES.get(dataset.name)
+  if partition_name == 'superclass_dirichlet' and superclasses is not None:
+    # The superclasses are the true clusters (client_groups).
+    groups = np.asarray(superclasses)[dataset.train_y]
   parts = partition(partition_name, dataset.train_y[pool], num_clients,
                     seed=seed, dirichlet_alpha=dirichlet_alpha,
                     classes_per_client=classes_per_client,
                     quantity_alpha=quantity_alpha,
-                    groups=None if groups is None else groups[pool])
+                    groups=None if groups is None else groups[pool],
+                    superclasses=superclasses)
   parts = [pool[p] for p in parts]
   client_groups = None if groups is None else np.array(
       [np.bincount(groups[p]).argmax() if len(p) else -1 for p in parts])

@@ -358,12 +358,56 @@ def group_dirichlet(
   return _as_parts(parts)
 
 
+# Natural superclasses of a dataset's labels (label -> superclass), for
+# 'superclass_dirichlet'. Fashion-MNIST: tops (T-shirt 0, pullover 2,
+# coat 4, shirt 6), footwear (sandal 5, sneaker 7, ankle boot 9) and
+# other (trouser 1, dress 3, bag 8).
+SUPERCLASSES: dict[str, tuple[int, ...]] = {
+    'fashion_mnist': (0, 2, 0, 2, 0, 1, 0, 1, 2, 1),
+}
+
+
+def superclass_dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    *,
+    superclasses: tuple[int, ...] | None,
+    alpha: float,
+    seed: int,
+    min_size: int = 1,
+) -> list[np.ndarray]:
+  """HiLoRA's SC-Dir(alpha) (Sec. 5.1): the clients are dealt to the
+  label superclasses (`group_of_clients`), each superclass's examples are
+  split over its clients with Dirichlet(alpha) labels over its fine
+  classes. The superclasses are the true clusters.
+
+  Args:
+    labels: int `[N]` labels.
+    num_clients: at least the number of superclasses.
+    superclasses: label -> superclass (SUPERCLASSES[dataset]); None for a
+      dataset without them.
+    alpha, seed, min_size: as for `dirichlet`.
+  """
+  labels = _check_labels(labels)
+  if superclasses is None:
+    raise SettingError('partition', 'superclass_dirichlet needs the '
+                       "dataset's label superclasses; known for "
+                       f'{sorted(SUPERCLASSES)}')
+  table = np.asarray(superclasses)
+  if labels.max(initial=0) >= len(table):
+    raise ValueError(f'labels up to {labels.max()} but superclasses for '
+                     f'{len(table)} classes')
+  return group_dirichlet(labels, num_clients, groups=table[labels],
+                         alpha=alpha, seed=seed, min_size=min_size)
+
+
 PARTITIONERS: dict[str, Partitioner] = {
     'iid': iid,
     'dirichlet': dirichlet,
     'group_dirichlet': group_dirichlet,
     'pathological': pathological,
     'quantity_skew': quantity_skew,
+    'superclass_dirichlet': superclass_dirichlet,
 }
 
 
@@ -378,6 +422,7 @@ def partition(
     quantity_alpha: float = 0.5,
     min_size: int = 1,
     groups: np.ndarray | None = None,
+    superclasses: tuple[int, ...] | None = None,
 ) -> list[np.ndarray]:
   """Partitions `labels` among `num_clients` clients with a named scheme.
 
@@ -392,6 +437,8 @@ def partition(
     min_size: `min_size` for 'dirichlet' and 'quantity_skew'.
     groups: int `[N]` example groups for 'group_dirichlet' (which also
       takes `dirichlet_alpha`).
+    superclasses: label -> superclass for 'superclass_dirichlet' (with
+      `dirichlet_alpha`).
 
   Returns:
     `num_clients` sorted int64 index arrays forming a partition of
@@ -414,6 +461,11 @@ def partition(
     return group_dirichlet(labels, num_clients, groups=groups,
                            alpha=dirichlet_alpha, seed=seed,
                            min_size=min_size)
+  if name == 'superclass_dirichlet':
+    return superclass_dirichlet(labels, num_clients,
+                                superclasses=superclasses,
+                                alpha=dirichlet_alpha, seed=seed,
+                                min_size=min_size)
   if name == 'pathological':
     return pathological(labels, num_clients,
                         classes_per_client=classes_per_client, seed=seed)
