@@ -110,6 +110,33 @@ def test_upload_bytes_is_the_client_weighted_mean_over_cohorts(tmp_path):
       'upload_bytes': None}
 
 
+def test_run_level_figures_come_from_the_summary(tmp_path):
+  """cluster_ari and unseen_accuracy are written once, to summary.json;
+  a metric in metrics.jsonl wins over a summary key of the same name."""
+  (tmp_path / 'metrics.jsonl').write_text(
+      json.dumps({'round': 1, 'personal_accuracy': 0.7}) + '\n')
+  (tmp_path / 'summary.json').write_text(json.dumps(
+      {'cluster_ari': 0.25, 'unseen_accuracy': 0.8, 'personal_accuracy': 0.1,
+       'cluster_assignment': [0, 1]}))
+  out = sweep.read_final(str(tmp_path), ['personal_accuracy', 'cluster_ari',
+                                         'unseen_accuracy',
+                                         'cluster_assignment'], 1)
+  assert out == {'personal_accuracy': 0.7, 'cluster_ari': 0.25,
+                 'unseen_accuracy': 0.8, 'cluster_assignment': None}
+
+
+def test_hilora_axes_name_each_baseline_its_own_paper_row():
+  axes = sweep.load_axes(os.path.join(sweep.ROOT, 'experiments', 'sweeps',
+                                      'hilora.json'))
+  assert sweep.paper_name({'method': 'FedIT', 'variant': 'full'},
+                          axes) == 'FedIT'
+  assert sweep.paper_name({'method': 'HiLoRA', 'variant': 'full'},
+                          axes) == 'HiLoRA'
+  rows = reference.load('HiLoRA', 'Table2')
+  setting = reference.setting_of('HiLoRA', {'partition': 'group_dirichlet'})
+  assert rows[('FlexLoRA', setting)]['unseen_accuracy'] == 0.84
+
+
 def test_rfd_lora_reference_and_the_variant_names_the_paper_row():
   axes = sweep.load_axes(os.path.join(sweep.ROOT, 'experiments', 'sweeps',
                                       'rfd_lora.json'))
