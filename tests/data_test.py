@@ -40,13 +40,17 @@ def _shares(labels, parts, num_classes):
 # ----------------------------------------------------------------------------
 
 
+FMNIST_SUPERCLASSES = partition.SUPERCLASSES['fashion_mnist']
+
+
 class PartitionTest(parameterized.TestCase):
 
   @parameterized.parameters(*sorted(partition.PARTITIONERS))
   def test_covers_each_index_once(self, name):
     labels = _balanced_labels(10, 97)
     parts = partition.partition(name, labels, 23, seed=0,
-                                groups=_two_groups(labels))
+                                groups=_two_groups(labels),
+                                superclasses=FMNIST_SUPERCLASSES)
     self.assertLen(parts, 23)
     _assert_partition(self, parts, len(labels))
 
@@ -54,9 +58,10 @@ class PartitionTest(parameterized.TestCase):
   def test_deterministic_in_seed(self, name):
     labels = _balanced_labels(10, 100)
     groups = _two_groups(labels)
-    a = partition.partition(name, labels, 17, seed=3, groups=groups)
-    b = partition.partition(name, labels, 17, seed=3, groups=groups)
-    c = partition.partition(name, labels, 17, seed=4, groups=groups)
+    kw = dict(groups=groups, superclasses=FMNIST_SUPERCLASSES)
+    a = partition.partition(name, labels, 17, seed=3, **kw)
+    b = partition.partition(name, labels, 17, seed=3, **kw)
+    c = partition.partition(name, labels, 17, seed=4, **kw)
     for pa, pb in zip(a, b):
       np.testing.assert_array_equal(pa, pb)
     self.assertFalse(all(np.array_equal(pa, pc) for pa, pc in zip(a, c)))
@@ -65,7 +70,8 @@ class PartitionTest(parameterized.TestCase):
   def test_single_client_gets_everything(self, name):
     labels = _balanced_labels(10, 10)
     parts = partition.partition(name, labels, 1, seed=0, classes_per_client=10,
-                                groups=np.zeros_like(labels))
+                                groups=np.zeros_like(labels),
+                                superclasses=(0,) * 10)
     np.testing.assert_array_equal(parts[0], np.arange(len(labels)))
 
   def test_iid_sizes_near_equal(self):
