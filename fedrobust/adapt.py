@@ -22,6 +22,7 @@ import optax
 from fedrobust.cohort import Cohort
 from fedrobust.errors import SettingError
 from fedrobust.local import LocalConfig, classification_loss, local_sgd
+from fedrobust.transforms.base import Transform
 from fedrobust.types import FederatedData, LocalData, Method, ServerState
 
 Params = Any
@@ -37,12 +38,12 @@ def headline_model(method: Method, state: ServerState) -> Params:
                      'global model to give a newcomer')
 
 
-def fine_tune(cohort: Cohort, params: Params, data: LocalData, key: jax.Array,
-              *, local: LocalConfig, optimizer: optax.GradientTransformation
-              ) -> tuple[Params, dict[str, jax.Array]]:
-  """A fresh adapter of the cohort's transform on `params`, trained by
-  local SGD on one client's data; returns the merged full model."""
-  transform = cohort.transform
+def train_adapter(transform: Transform, params: Params, data: LocalData,
+                  key: jax.Array, *, local: LocalConfig,
+                  optimizer: optax.GradientTransformation
+                  ) -> tuple[Params, Params, dict[str, jax.Array]]:
+  """A fresh adapter of `transform` on `params` (frozen), trained by local
+  SGD on one client's data: (base, trained adapter, metrics)."""
   init_key, train_key = jax.random.split(key)
   base, trainable = transform.init(params, init_key)
 
@@ -51,7 +52,17 @@ def fine_tune(cohort: Cohort, params: Params, data: LocalData, key: jax.Array,
 
   new, metrics = local_sgd(classification_loss(apply), trainable, data,
                            train_key, optimizer=optimizer, config=local)
-  return transform.merge(base, new, None), metrics
+  return base, new, metrics
+
+
+def fine_tune(cohort: Cohort, params: Params, data: LocalData, key: jax.Array,
+              *, local: LocalConfig, optimizer: optax.GradientTransformation
+              ) -> tuple[Params, dict[str, jax.Array]]:
+  """`train_adapter` with the cohort's transform; returns the merged full
+  model and the training metrics."""
+  base, new, metrics = train_adapter(cohort.transform, params, data, key,
+                                     local=local, optimizer=optimizer)
+  return cohort.transform.merge(base, new, None), metrics
 
 
 def adapt_newcomers(method: Method, cohorts: tuple[Cohort, ...],

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedrobust import adapt
 from fedrobust.aggregators.spectral import per_matrix
 from fedrobust.cohort import Cohort
 from fedrobust.errors import SettingError
@@ -407,18 +408,13 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     averaged over the clustered modules); it starts from W0 + root + that
     cluster. Before clustering it gets W0 + root."""
     ms = state.method_state
-    frozen = add_dense(ms.base, ms.root_dense)
-    init_key, probe_key = jax.random.split(key)
-    _, fresh = transform.init(frozen, init_key)
-    probe, _ = local_sgd(
-        classification_loss(lambda t, x, *, train=False, key=None:
-                            transform.apply(frozen, t, x, train=train,
-                                            key=key)),
-        fresh, data, probe_key, optimizer=optimizer, config=probe_local)
+    _, probe, _ = adapt.train_adapter(
+        transform, add_dense(ms.base, ms.root_dense), data, key,
+        local=probe_local, optimizer=optimizer)
+    _, uc = frozen_bases(state.params[0], ms.clusters)
     scores = sum(
         hs.route_scores(hs.subspace(hs.basis_of(get_path(probe, p)['b'])),
-                        per_matrix(lambda b: hs.subspace(hs.basis_of(b)),
-                                   get_path(ms.clusters, p)['b']))
+                        uc[p])
         for p in cluster_paths) / len(cluster_paths)
     has = ms.num_clusters > 0
     j = hs.best_cluster(scores, jnp.arange(k_max) < ms.num_clusters)

@@ -135,22 +135,22 @@ def personal_lora(name: str, shared: tuple[str, ...], *, cohorts,
                                                 row(ms.own, members))
     return jax.vmap(lambda t: products(t, scale))(mine)
 
-  def global_model(state):
-    dense = own_products(state)
-    return add_dense(state.method_state.base,
-                     {p: jnp.mean(v, axis=0) for p, v in dense.items()})
+  def mean_model(base, dense):
+    """W0 + the mean of the clients' products."""
+    return add_dense(base, {p: jnp.mean(v, axis=0) for p, v in dense.items()})
 
   def eval_models(state):
     base = state.method_state.base
-    personal = jax.vmap(lambda d: add_dense(base, d))(own_products(state))
-    return (EvalModel('', 0, global_model(state)),
+    dense = own_products(state)
+    personal = jax.vmap(lambda d: add_dense(base, d))(dense)
+    return (EvalModel('', 0, mean_model(base, dense)),
             EvalModel('personal', 0, personal, clients=cohort.members,
                       per_client=True))
 
   def newcomer(state, data, key):
     del data, key
     if shared:
-      return global_model(state), {}
+      return mean_model(state.method_state.base, own_products(state)), {}
     return state.method_state.base, {}
 
   return Method(name, init, broadcast, client_state, client_update,
