@@ -177,6 +177,9 @@ def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
     mask = jax.tree.map(lambda m: jnp.where(data.is_malicious, m, 1.0),
                         poison.grad_mask(clean))
 
+  alternating = getattr(poison, 'alternating', None)
+  start = params
+
   def step(carry, inputs):
     p, o, sums = carry
     rows, ex_mask, live, k = inputs
@@ -186,6 +189,9 @@ def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
       (_, aux), grads = grad_fn(p, x, y, ex_mask, k)
       if mask is not None:
         grads = jax.tree.map(lambda g, m: g * m.astype(g.dtype), grads, mask)
+      if alternating is not None and alternating.rho > 0:
+        grads = _add_stealth(grads, p, start, alternating.rho,
+                             data.is_malicious)
       updates, o2 = optimizer.update(grads, o, p)
       return optax.apply_updates(p, updates), o2, aux
 
@@ -200,8 +206,56 @@ def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
       step, (params, opt_state, zero_aux),
       (plan.index, plan.example_mask, plan.step_mask, step_keys),
       unroll=config.unroll)
+  if alternating is not None:
+    params = _malicious_phase(grad_fn, params, data, plan, step_keys,
+                              optimizer, alternating)
   live_steps = jnp.maximum(jnp.sum(plan.step_mask), 1).astype(jnp.float32)
   return params, jax.tree.map(lambda s: s / live_steps, sums)
+
+
+def _add_stealth(grads: Params, p: Params, start: Params, rho: float,
+                 is_malicious: jax.Array) -> Params:
+  """grads + rho * d||p - start||_2 / dp for an attacker (alternating
+  minimization's stealth objective); 0 at p = start; benign: unchanged."""
+  diff = jax.tree.map(jnp.subtract, p, start)
+  norm = jnp.sqrt(sum(jnp.sum(jnp.square(d.astype(jnp.float32)))
+                      for d in jax.tree.leaves(diff)))
+  coef = jnp.where(is_malicious & (norm > 0),
+                   rho / jnp.where(norm > 0, norm, 1.0), 0.0)
+  return jax.tree.map(lambda g, d: g + (coef * d).astype(g.dtype), grads,
+                      diff)
+
+
+def _malicious_phase(grad_fn, params: Params, data: LocalData,
+                     plan: BatchPlan, step_keys: jax.Array,
+                     optimizer: optax.GradientTransformation,
+                     alternating: Any) -> Params:
+  """Alternating minimization's boosted malicious steps (an attacker only).
+
+  `alternating.steps` steps of `optimizer` (fresh state) on the plan's
+  real batches in order (cycling), poisoned by `alternating.apply`; the weight change
+  is multiplied by `alternating.boost`. A benign client's params come back
+  bit-identical.
+  """
+  live = jnp.sum(plan.step_mask)
+  real = jnp.argsort(~plan.step_mask, stable=True)   # real steps first
+
+  def step(carry, j):
+    p, o = carry
+    s = real[j % jnp.maximum(live, 1)]
+    rows, ex_mask = plan.index[s], plan.example_mask[s]
+    x, y = gather_batch(data, rows)
+    x, y = alternating.apply(x, y, rows, data.count, data.attacker_rank)
+    _, grads = grad_fn(p, x, y, ex_mask, step_keys[s])
+    updates, o2 = optimizer.update(grads, o, p)
+    return (optax.apply_updates(p, updates), o2), None
+
+  (post, _), _ = jax.lax.scan(step, (params, optimizer.init(params)),
+                              jnp.arange(alternating.steps))
+  boosted = jax.tree.map(lambda a, b: a + alternating.boost * (b - a),
+                         params, post)
+  use = data.is_malicious & (live > 0)
+  return jax.tree.map(lambda b, a: jnp.where(use, b, a), boosted, params)
 
 
 

@@ -15,6 +15,8 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.cluster import hierarchy
+from scipy.spatial.distance import squareform
 
 from fedrobust.attacks import (ATTACKS, MODEL_ATTACKS, ModelAttack,
                                get_model_attack)
@@ -59,6 +61,8 @@ CONFIGS = {
     'model_replacement': ('model_replacement', {}),
     'optimal_ipm': ('optimal_ipm', {}),
     'optimal_alie': ('optimal_alie', {'rule': 'median'}),
+    'signguard_adaptive': ('signguard_adaptive', {}),
+    'clippedclustering_adaptive': ('clippedclustering_adaptive', {}),
 }
 
 NEEDS_BENIGN = {'sign_flip': False, 'gaussian': False, 'scaling': False,
@@ -66,7 +70,8 @@ NEEDS_BENIGN = {'sign_flip': False, 'gaussian': False, 'scaling': False,
                 'agr_tailored': True, 'fang_trim': True, 'fang_krum': True,
                 'inf': False, 'mimic': True, 'optimal_ipm': True,
                 'model_replacement': False,
-                'optimal_alie': True}
+                'optimal_alie': True, 'signguard_adaptive': True,
+                'clippedclustering_adaptive': True}
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,6 +210,7 @@ class ConformanceTest(parameterized.TestCase):
       ('mimic', {'choice': -1}, 'choice'),
       ('optimal_ipm', {'rule': 'krum'}, 'rule'),
       ('optimal_alie', {'tau_min': 0.0}, 'tau_min'),
+      ('clippedclustering_adaptive', {'margin': 0.0}, 'margin'),
   )
   def test_bad_settings_name_the_argument(self, name, kwargs, message):
     argument = message.split()[0]
@@ -341,6 +347,68 @@ class DefinitionTest(parameterized.TestCase):
     out = np.asarray(get_model_attack('mimic', choice=2).apply(
         UPDATES, MALICIOUS, MASK, KEY))
     np.testing.assert_array_equal(out[ATTACKER][0], UPDATES[third])
+
+  def test_signguard_adaptive_golden_blades(self):
+    """Blades' SignGuardAdversary, transcribed: hstack(rand(pos),
+    -rand(neg), zeros) indexed by a random permutation, the same for every
+    attacker; with the attack's own draws the rows are equal exactly."""
+    out = attacked('signguard_adaptive')
+    mu = benign_rows().mean(0).astype(np.float32)
+    k_noise, k_perm = jax.random.split(KEY)
+    u = np.asarray(jax.random.uniform(k_noise, (D,), jnp.float32))
+    perm = np.asarray(jax.random.permutation(k_perm, D))
+    pos, neg = int((mu > 0).sum()), int((mu < 0).sum())
+    noise = np.concatenate([u[:pos], -u[pos:pos + neg],
+                            np.zeros(D - pos - neg, np.float32)])
+    for row in out[ATTACKER]:
+      np.testing.assert_array_equal(row, noise[perm])
+      self.assertEqual((row > 0).sum(), pos)
+      self.assertEqual((row < 0).sum(), neg)
+      self.assertTrue(np.all(np.abs(row) < 1))
+
+  def test_clippedclustering_adaptive_golden_blades(self):
+    """Blades' chain attack, transcribed in float64 with scipy's single
+    linkage, on the geometry's intent (see the docstring's departures)."""
+    scale, margin, eps = 10.0, 0.1, 1e-4
+    b = benign_rows()
+    mu = b.mean(0)
+    unit = b / np.linalg.norm(b, axis=1, keepdims=True)
+    dist = 1 - unit @ unit.T
+    np.fill_diagonal(dist, 0.0)
+    theta_c = np.arccos(1 - dist[~np.eye(len(b), dtype=bool)].min()) - margin
+    labels = hierarchy.fcluster(hierarchy.linkage(
+        squareform(dist, checks=False), method='single'), t=2,
+                                criterion='maxclust')
+    sizes = {lab: (labels == lab).sum() for lab in set(labels)}
+    big = max(sizes, key=lambda lab: (sizes[lab],
+                                      -np.flatnonzero(labels == lab)[0]))
+    members = np.flatnonzero(labels == big)
+    mu_u = mu / np.linalg.norm(mu)
+    to_mean = 1 - unit[members] @ mu_u
+    far = members[np.argmax(to_mean)]
+    theta = np.arccos(1 - to_mean.max())
+    v = unit[far]
+    want = []
+    for _ in range(M):
+      if theta + theta_c >= np.pi:
+        want.append(-scale * mu)
+        continue
+      phi = theta + theta_c - eps
+      a = np.cos(phi) - np.sin(phi) / np.tan(theta)
+      bb = np.cos(theta_c - eps) + np.sin(theta_c - eps) / np.tan(theta)
+      v = a * mu_u + bb * v
+      want.append(scale * v)
+      theta = phi
+    got = attacked('clippedclustering_adaptive')[ATTACKER]
+    np.testing.assert_allclose(got, np.stack(want), rtol=2e-4, atol=2e-4)
+    # The geometry: consecutive attackers are theta_c - eps apart and at
+    # unit norm * scale, closer than the two closest benign updates.
+    if theta + theta_c < np.pi:
+      g = got / np.linalg.norm(got, axis=1, keepdims=True)
+      np.testing.assert_allclose(np.linalg.norm(got, axis=1), scale,
+                                 rtol=1e-4)
+      np.testing.assert_allclose(np.arccos(np.clip(g[0] @ g[1], -1, 1)),
+                                 theta_c - eps, atol=1e-3)
 
   @parameterized.parameters(('optimal_ipm', 'trimmed_mean'),
                             ('optimal_alie', 'median'))

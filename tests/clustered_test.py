@@ -9,7 +9,7 @@ from scipy.cluster import hierarchy
 from scipy.spatial.distance import squareform
 
 from fedrobust.aggregators import AGGREGATORS
-from fedrobust.aggregators.clustered import average_linkage_two
+from fedrobust.aggregators.clustered import linkage_two
 from tests.fedhan_test import np_dbscan
 
 KEY = jax.random.key(0)
@@ -63,24 +63,25 @@ class SimpleClusteringTest(absltest.TestCase):
 
 class ClippedClusteringTest(absltest.TestCase):
 
-  def test_average_linkage_matches_scipy(self):
+  def test_linkage_matches_scipy(self):
     rng = np.random.default_rng(2)
-    for trial in range(5):
-      pts = rng.normal(size=(9, 3)) + (trial % 2) * np.repeat(
+    for trial in range(6):
+      method = ('average', 'single')[trial % 2]
+      pts = rng.normal(size=(9, 3)) + (trial // 2 % 2) * np.repeat(
           [[0, 0, 0], [3, 0, 0], [0, 3, 0]], 3, axis=0)
       d = np.sqrt(((pts[:, None] - pts[None]) ** 2).sum(-1))
       want = hierarchy.fcluster(hierarchy.linkage(squareform(d, checks=False),
-                                                  method='average'),
+                                                  method=method),
                                 t=2, criterion='maxclust')
-      got = np.asarray(average_linkage_two(jnp.asarray(d, jnp.float32),
-                                           jnp.ones(9, bool)))
+      got = np.asarray(linkage_two(jnp.asarray(d, jnp.float32),
+                                   jnp.ones(9, bool), method))
       same = lambda lab: lab[:, None] == lab[None, :]
-      np.testing.assert_array_equal(same(got), same(want))
+      np.testing.assert_array_equal(same(got), same(want), err_msg=method)
     # Masked points take no part.
     mask = np.ones(9, bool)
     mask[[0, 4]] = False
-    got = np.asarray(average_linkage_two(jnp.asarray(d, jnp.float32),
-                                         jnp.asarray(mask)))
+    got = np.asarray(linkage_two(jnp.asarray(d, jnp.float32),
+                                 jnp.asarray(mask)))
     self.assertTrue(np.all(got[~mask] == -1))
     sub = d[np.ix_(mask, mask)]
     want = hierarchy.fcluster(hierarchy.linkage(squareform(sub, checks=False),

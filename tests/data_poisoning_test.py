@@ -132,6 +132,58 @@ class TriggerTest(parameterized.TestCase):
     self.assertGreaterEqual(frozen, 0.29)     # at least the masked 30%
     self.assertLess(np.mean(~moved[False]), frozen - 0.2)
 
+  def test_alternating_min_boosts_the_malicious_phase(self):
+    """Bhagoji et al.: clean steps with a stealth term, then malicious
+    steps on triggered batches whose weight change is boosted. With
+    rho = 0 the attacker's clean phase equals a benign client's, so
+    w(boost) - w_benign = boost * (w(1) - w_benign); a benign client holding
+    the same poison object trains exactly as without it."""
+    from fedrobust import local as local_lib, models  # pylint: disable=g-import-not-at-top
+    model = models.get_model('mlp', num_classes=10, input_shape=SHAPE,
+                             hidden=(4,))
+    params = model.init(jax.random.key(0))
+    x, y, _ = batch(16, seed=3)
+    config = local_lib.LocalConfig(batch_size=8, num_epochs=1,
+                                   steps_per_epoch=2)
+    loss = local_lib.classification_loss(model.apply)
+    flat = lambda t: np.concatenate([np.asarray(a, np.float64).ravel()
+                                     for a in jax.tree.leaves(t)])
+
+    def train(malicious, **kwargs):
+      poison = None if kwargs.get('none') else attacks.DATA_ATTACKS[
+          'alternating_min'](image_shape=SHAPE, target_label=2,
+                             **{k: v for k, v in kwargs.items()
+                                if k != 'none'})
+      data = local_lib.LocalData(x[None], y[None], jnp.int32(0),
+                                 jnp.int32(16), jnp.bool_(malicious),
+                                 jnp.int32(0))
+      new, _ = local_lib.local_sgd(loss, params, data, jax.random.key(1),
+                                   optimizer=local_lib.sgd(learning_rate=0.1),
+                                   config=config, poison=poison)
+      return flat(new)
+
+    plain = train(False, none=True)
+    np.testing.assert_array_equal(train(False, rho=0.5, boost=3.0), plain)
+    one = train(True, rho=0.0, boost=1.0, malicious_steps=3)
+    ten = train(True, rho=0.0, boost=10.0, malicious_steps=3)
+    self.assertGreater(np.abs(one - plain).max(), 1e-4)
+    np.testing.assert_allclose(ten - plain, 10.0 * (one - plain), rtol=1e-3,
+                               atol=1e-6)
+    # The stealth term is rho times the gradient of ||w - w_start||_2.
+    start = {'a': jnp.asarray([1.0, 2.0]), 'b': jnp.asarray([[0.5]])}
+    p = {'a': jnp.asarray([1.5, 1.0]), 'b': jnp.asarray([[2.5]])}
+    zero = jax.tree.map(jnp.zeros_like, p)
+    want = jax.grad(lambda q: 0.3 * jnp.sqrt(sum(
+        jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(q),
+                                              jax.tree.leaves(start)))))(p)
+    got = local_lib._add_stealth(zero, p, start, 0.3, jnp.bool_(True))
+    np.testing.assert_allclose(flat(got), flat(want), rtol=1e-6)
+    self.assertEqual(flat(local_lib._add_stealth(
+        zero, p, start, 0.3, jnp.bool_(False))).max(), 0.0)
+    with self.assertRaisesRegex(ValueError, 'malicious_steps'):
+      attacks.DATA_ATTACKS['alternating_min'](image_shape=SHAPE,
+                                              malicious_steps=0)
+
   def test_sdfc_release_trigger_rows(self):
     """The release's trigger: rows 0 and 2, columns 0-2 and 4-6."""
     mask = dp.trigger_mask(dp.Trigger(pattern='sdfc_rows'), SHAPE)[..., 0]

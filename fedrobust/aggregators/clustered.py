@@ -127,12 +127,19 @@ class ClippedClusteringState(NamedTuple):
   count: jax.Array   # int32[]: how many were written
 
 
-def average_linkage_two(dist: jax.Array, valid: jax.Array) -> jax.Array:
-  """Agglomerative clustering with average linkage down to two clusters.
+LINKAGES = ('average', 'single')
+
+
+def linkage_two(dist: jax.Array, valid: jax.Array,
+                        linkage: str = 'average') -> jax.Array:
+  """Agglomerative clustering down to two clusters.
 
   Args:
     dist: float32[C, C] pairwise distances (symmetric).
     valid: bool[C]; other points take no part.
+    linkage: 'average' (ClippedClustering) or 'single' (the distance of
+      two clusters is their closest pair; Blades' attack on
+      ClippedClustering).
 
   Returns:
     int32[C]: a cluster id per point (the smallest member index of its
@@ -152,9 +159,13 @@ def average_linkage_two(dist: jax.Array, valid: jax.Array) -> jax.Array:
     flat = jnp.argmin(d)
     i, j = flat // c, flat % c
     lo, hi = jnp.minimum(i, j), jnp.maximum(i, j)
-    # Lance-Williams for average linkage: d(lo+hi, k) is the size-weighted
-    # mean of d(lo, k) and d(hi, k).
-    new_row = (size[lo] * d[lo] + size[hi] * d[hi]) / (size[lo] + size[hi])
+    # Lance-Williams: for average linkage d(lo+hi, k) is the size-weighted
+    # mean of d(lo, k) and d(hi, k); for single linkage their minimum.
+    if linkage == 'single':
+      new_row = jnp.minimum(d[lo], d[hi])
+    else:
+      new_row = ((size[lo] * d[lo] + size[hi] * d[hi]) /
+                 (size[lo] + size[hi]))
     new_row = jnp.where(active & (jnp.arange(c) != lo) &
                         (jnp.arange(c) != hi), new_row, big)
     d2 = d.at[lo].set(new_row).at[:, lo].set(new_row)
@@ -213,7 +224,7 @@ def clipped_clustering(*, num_byzantine: int = 0, max_tau: float = 1e5,
     unit = unit_rows(clipped)
     cos = jnp.matmul(unit, unit.T, precision='highest')
     dist = 1.0 - cos
-    labels = average_linkage_two(dist, valid)
+    labels = linkage_two(dist, valid)
     member = labels[None, :] == jnp.arange(c)[:, None]        # [cluster, c]
     sizes = jnp.sum(member, axis=1).astype(jnp.float32)
     # The larger cluster; on a tie the tighter one (smaller mean pairwise

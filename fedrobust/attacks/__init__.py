@@ -11,7 +11,10 @@ import inspect
 from typing import Callable
 
 from fedrobust.errors import SettingError
-from fedrobust.attacks.data_poisoning import (DataPoison, Trigger, badnets,
+from fedrobust.attacks.adaptive import (clippedclustering_adaptive,
+                                        signguard_adaptive)
+from fedrobust.attacks.data_poisoning import (DataPoison, Trigger,
+                                              alternating_min, badnets,
                                               blended, edge_case, label_flip,
                                               neurotoxin,
                                               parse_trigger_size,
@@ -42,6 +45,8 @@ MODEL_ATTACKS: dict[str, Callable[..., ModelAttack]] = {
     'model_replacement': model_replacement,
     'optimal_ipm': optimal_ipm,
     'optimal_alie': optimal_alie,
+    'signguard_adaptive': signguard_adaptive,
+    'clippedclustering_adaptive': clippedclustering_adaptive,
 }
 
 # Data-poisoning attacks act inside malicious clients' local training.
@@ -53,9 +58,10 @@ DATA_ATTACKS: dict[str, Callable[..., DataPoison]] = {
     'trigger_token': trigger_token,
     'edge_case': edge_case,
     'neurotoxin': neurotoxin,
+    'alternating_min': alternating_min,
 }
 BACKDOORS = ('badnets', 'blended', 'dba', 'trigger_token', 'edge_case',
-             'neurotoxin')
+             'neurotoxin', 'alternating_min')
 # Attacks on token ids (text datasets); the others read images.
 TEXT_ATTACKS = ('trigger_token', 'label_flip')
 
