@@ -24,6 +24,7 @@ from fedrobust.aggregators import horus as horus_lib
 from fedrobust.aggregators import krum as krum_lib
 from fedrobust.aggregators import mean as mean_lib
 from fedrobust.aggregators import robust_mean
+from fedrobust.aggregators import subset as subset_lib
 from fedrobust.aggregators.base import (EXTRAS, Aggregator, call_aggregator,
                                        check_provided, stateless_init)
 from fedrobust.aggregators.mean import Requirement
@@ -55,6 +56,10 @@ AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     'simple_clustering': clustered.simple_clustering,
     'clipped_clustering': clustered.clipped_clustering,
     'signguard': clustered.signguard,
+    'mda': subset_lib.mda,
+    'smea': subset_lib.smea,
+    'monna': subset_lib.monna,
+    'caf': subset_lib.caf,
 }
 
 # Minimum clients per round, per rule: (inequality, f -> min n).
@@ -65,6 +70,7 @@ _REQUIREMENTS: dict[str, Requirement] = {
     **robust_mean.REQUIREMENTS,
     **dnc_lib.REQUIREMENTS,
     **clustered.REQUIREMENTS,
+    **subset_lib.REQUIREMENTS,
 }
 
 # ---- Server-aided rules (merged from another module) -----------------------
