@@ -243,7 +243,6 @@ def caf(*, num_byzantine: int = 0, power_iters: int = 100,
   def aggregate(updates, mask, state, key):
     del key
     x, valid = _rows(updates, mask)
-    c_slots = x.shape[0]
     n = jnp.sum(valid).astype(jnp.float32)
     centred = select_rows(x - masked_median(x, valid)[None], valid)
     norms = jnp.where(valid, jnp.max(jnp.abs(centred), axis=1), 0.0)
