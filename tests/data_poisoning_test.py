@@ -21,6 +21,18 @@ def batch(n=8, seed=0):
           jnp.arange(n, dtype=jnp.int32))
 
 
+def train_one_client(loss, params, x, y, config, poison, malicious):
+  """One client's local SGD (lr 0.1, key 1) on all of x, y."""
+  from fedrobust import local as local_lib  # pylint: disable=g-import-not-at-top
+  data = local_lib.LocalData(x[None], y[None], jnp.int32(0),
+                             jnp.int32(len(y)), jnp.bool_(malicious),
+                             jnp.int32(0))
+  new, _ = local_lib.local_sgd(loss, params, data, jax.random.key(1),
+                               optimizer=local_lib.sgd(learning_rate=0.1),
+                               config=config, poison=poison)
+  return new
+
+
 class TriggerTest(parameterized.TestCase):
 
   @parameterized.parameters(
@@ -119,12 +131,7 @@ class TriggerTest(parameterized.TestCase):
     loss = local_lib.classification_loss(model.apply)
     moved = {}
     for malicious in (True, False):
-      data = local_lib.LocalData(x[None], y[None], jnp.int32(0),
-                                 jnp.int32(16), jnp.bool_(malicious),
-                                 jnp.int32(0))
-      new, _ = local_lib.local_sgd(loss, params, data, jax.random.key(1),
-                                   optimizer=local_lib.sgd(learning_rate=0.1),
-                                   config=config, poison=poison)
+      new = train_one_client(loss, params, x, y, config, poison, malicious)
       moved[malicious] = np.concatenate([
           np.asarray(a - b).ravel() != 0 for a, b in zip(
               jax.tree.leaves(new), jax.tree.leaves(params))])
@@ -154,13 +161,8 @@ class TriggerTest(parameterized.TestCase):
           'alternating_min'](image_shape=SHAPE, target_label=2,
                              **{k: v for k, v in kwargs.items()
                                 if k != 'none'})
-      data = local_lib.LocalData(x[None], y[None], jnp.int32(0),
-                                 jnp.int32(16), jnp.bool_(malicious),
-                                 jnp.int32(0))
-      new, _ = local_lib.local_sgd(loss, params, data, jax.random.key(1),
-                                   optimizer=local_lib.sgd(learning_rate=0.1),
-                                   config=config, poison=poison)
-      return flat(new)
+      return flat(train_one_client(loss, params, x, y, config, poison,
+                                   malicious))
 
     plain = train(False, none=True)
     np.testing.assert_array_equal(train(False, rho=0.5, boost=3.0), plain)

@@ -75,24 +75,17 @@ def points(seed, n=9, d=6, outliers=2):
 
 class SubsetRulesTest(parameterized.TestCase):
 
-  @parameterized.parameters(0, 1, 2)
-  def test_mda_golden_byzfl(self, seed):
+  @parameterized.product(seed=(0, 1, 2), name=('mda', 'smea'))
+  def test_subset_rules_golden_byzfl(self, seed, name):
+    """The chosen subset, its mean and its score (diameter or top
+    covariance eigenvalue)."""
     x, f = points(seed), 2
-    want, members, diameter = byzfl_mda(x, f)
-    got, _, info = run('mda', x, num_byzantine=f)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    weights = np.asarray(info['weights'])
-    np.testing.assert_array_equal(np.flatnonzero(weights), members)
-    np.testing.assert_allclose(float(info['score']), diameter, rtol=1e-4)
-
-  @parameterized.parameters(0, 1, 2)
-  def test_smea_golden_byzfl(self, seed):
-    x, f = points(seed), 2
-    want, members, lam = byzfl_smea(x, f)
-    got, _, info = run('smea', x, num_byzantine=f)
+    reference = {'mda': byzfl_mda, 'smea': byzfl_smea}[name]
+    want, members, score = reference(x, f)
+    got, _, info = run(name, x, num_byzantine=f)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.flatnonzero(info['weights']), members)
-    np.testing.assert_allclose(float(info['score']), lam, rtol=1e-3)
+    np.testing.assert_allclose(float(info['score']), score, rtol=1e-3)
 
   @parameterized.parameters(0, 1, 2)
   def test_monna_golden_byzfl(self, seed):
