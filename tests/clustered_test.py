@@ -8,7 +8,8 @@ import numpy as np
 from scipy.cluster import hierarchy
 from scipy.spatial.distance import squareform
 
-from fedrobust.aggregators import AGGREGATORS
+from fedrobust.aggregators import AGGREGATORS, call_aggregator
+from fedrobust.aggregators import clustered
 from fedrobust.aggregators.clustered import linkage_two
 from tests.fedhan_test import np_dbscan
 
@@ -19,8 +20,9 @@ def run(name, x, mask=None, state=None, **hparams):
   agg = AGGREGATORS[name](**hparams)
   mask = np.ones(len(x), bool) if mask is None else mask
   state = agg.init({'w': jnp.zeros(x.shape[1])}) if state is None else state
-  out, state, info = agg.aggregate({'w': jnp.asarray(x, jnp.float32)},
-                                   jnp.asarray(mask), state, KEY)
+  out, state, info = call_aggregator(
+      agg, {'w': jnp.asarray(x, jnp.float32)}, jnp.asarray(mask), state, KEY,
+      params={'w': jnp.zeros(x.shape[1])})
   return np.asarray(out['w'], np.float64), state, info
 
 
@@ -162,6 +164,76 @@ class WeakDPTest(absltest.TestCase):
     self.assertAlmostEqual(float(np.std(got - 1e-3)), 0.05 / 4, delta=5e-4)
     plain, _, _ = run('norm_bounding', x, max_norm=10.0)
     np.testing.assert_allclose(plain, 1e-3, rtol=1e-5)
+
+
+def hdbscan_label0(dist, m):
+  """HDBSCAN labels (min_samples = 1, min_cluster_size = m > n / 2,
+  allow_single_cluster): mutual reachability, scipy's single linkage, the
+  condensed tree walked from the root (a side of fewer than m points drops
+  out at lambda = 1 / d), and label 0 for the points of largest lambda."""
+  n = len(dist)
+  off = dist + np.diag(np.full(n, np.inf))
+  core = off.min(axis=1)
+  reach = np.maximum(np.maximum(core[:, None], core[None, :]), dist)
+  np.fill_diagonal(reach, 0.0)
+  root = hierarchy.to_tree(hierarchy.linkage(squareform(reach, checks=False),
+                                             method='single'))
+  lam = np.zeros(n)
+  node = root
+  while True:
+    left, right = node.get_left(), node.get_right()
+    if left is None:                      # a single point left
+      lam[node.id] = np.inf
+      break
+    level = 1.0 / max(node.dist, 1e-300)
+    big = [c for c in (left, right) if c.get_count() >= m]
+    for child in (left, right):
+      if child not in big:
+        lam[child.pre_order()] = level
+    if not big:
+      break
+    node = big[0]
+  return lam == lam.max()
+
+
+class FlameTest(absltest.TestCase):
+
+  def test_clustering_golden_hdbscan(self):
+    rng = np.random.default_rng(5)
+    for trial in range(6):
+      n = 7 + trial % 4
+      x = rng.normal(size=(n, 5))
+      x[: n // 3] += 4.0 * rng.normal(size=5)      # a separate minority
+      unit = x / np.linalg.norm(x, axis=1, keepdims=True)
+      dist = np.clip(1 - unit @ unit.T, 0, 2)
+      want = hdbscan_label0(dist, n // 2 + 1)
+      got = np.asarray(clustered.hdbscan_majority(
+          jnp.asarray(dist, jnp.float32), jnp.ones(n, bool)))
+      np.testing.assert_array_equal(got, want, err_msg=str(trial))
+
+  def test_golden_flpoison(self):
+    """Admitted clients clipped to the median norm of all, averaged; the
+    noise has std gamma * S * std(new tensor)."""
+    rng = np.random.default_rng(6)
+    honest = rng.normal(size=(7, 400)) * 0.1 + 1.0
+    attack = -3.0 * np.ones((3, 400)) + rng.normal(size=(3, 400))
+    x = np.concatenate([honest[:4], attack, honest[4:]])
+    unit = x / np.linalg.norm(x, axis=1, keepdims=True)
+    admitted = hdbscan_label0(np.clip(1 - unit @ unit.T, 0, 2), 6)
+    norms = np.linalg.norm(x, axis=1)
+    clip = np.median(norms)
+    want = (x[admitted] * np.minimum(1, clip / norms[admitted])[:, None]
+            ).mean(0)
+    got, _, info = run('flame', x, gamma=0.0)
+    np.testing.assert_array_equal(np.flatnonzero(info['weights']),
+                                  np.flatnonzero(admitted))
+    self.assertFalse(admitted[4:7].any())
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(float(info['clip_norm']), clip, rtol=1e-5)
+    noisy, _, _ = run('flame', x, gamma=0.01)
+    spread = np.std(want, ddof=1)          # params are zero here
+    np.testing.assert_allclose(np.std(noisy - want), 0.01 * clip * spread,
+                               rtol=0.15)
 
 
 if __name__ == '__main__':

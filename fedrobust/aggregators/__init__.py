@@ -56,6 +56,7 @@ AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     'simple_clustering': clustered.simple_clustering,
     'clipped_clustering': clustered.clipped_clustering,
     'signguard': clustered.signguard,
+    'flame': clustered.flame,
     'mda': subset_lib.mda,
     'smea': subset_lib.smea,
     'monna': subset_lib.monna,

@@ -130,21 +130,17 @@ class ClippedClusteringState(NamedTuple):
 LINKAGES = ('average', 'single')
 
 
-def linkage_two(dist: jax.Array, valid: jax.Array,
-                        linkage: str = 'average') -> jax.Array:
-  """Agglomerative clustering down to two clusters.
+def _agglomerate(dist: jax.Array, valid: jax.Array, linkage: str,
+                 clusters: int, min_size: jax.Array | None = None):
+  """Agglomerative merges down to `clusters` clusters (static).
 
-  Args:
-    dist: float32[C, C] pairwise distances (symmetric).
-    valid: bool[C]; other points take no part.
-    linkage: 'average' (ClippedClustering) or 'single' (the distance of
-      two clusters is their closest pair; Blades' attack on
-      ClippedClustering).
-
-  Returns:
-    int32[C]: a cluster id per point (the smallest member index of its
-    cluster), -1 for invalid points.
+  Returns (labels int32[C]: the smallest member index of each point's
+  cluster, -1 for invalid points; first bool[C]: the members of the first
+  cluster to reach min_size points, all False if none did or min_size is
+  None).
   """
+  if linkage not in LINKAGES:
+    raise ValueError(f'linkage {linkage!r}; expected one of {LINKAGES}')
   c = dist.shape[0]
   labels = jnp.where(valid, jnp.arange(c), -1)
   active = valid
@@ -152,10 +148,15 @@ def linkage_two(dist: jax.Array, valid: jax.Array,
   big = jnp.float32(jnp.inf)
   d = jnp.where(valid[:, None] & valid[None, :] & ~jnp.eye(c, dtype=bool),
                 dist, big)
+  if min_size is None:
+    first = jnp.zeros(c, bool)
+  else:                                     # a singleton may already do
+    start = jnp.argmax(size)
+    first = valid & (jnp.arange(c) == start) & (size[start] >= min_size)
 
   def merge(_, carry):
-    labels, active, size, d = carry
-    go = jnp.sum(active) > 2
+    labels, active, size, d, first = carry
+    go = jnp.sum(active) > clusters
     flat = jnp.argmin(d)
     i, j = flat // c, flat % c
     lo, hi = jnp.minimum(i, j), jnp.maximum(i, j)
@@ -173,13 +174,59 @@ def linkage_two(dist: jax.Array, valid: jax.Array,
     size2 = size.at[lo].add(size[hi]).at[hi].set(0.0)
     active2 = active.at[hi].set(False)
     labels2 = jnp.where(labels == hi, lo, labels)
+    if min_size is not None:
+      reached = go & ~jnp.any(first) & (size2[lo] >= min_size)
+      first = jnp.where(reached, labels2 == lo, first)
     pick = lambda new, old: jnp.where(go, new, old)
     return (pick(labels2, labels), pick(active2, active),
-            pick(size2, size), pick(d2, d))
+            pick(size2, size), pick(d2, d), first)
 
-  labels, _, _, _ = jax.lax.fori_loop(0, max(c - 2, 0), merge,
-                                      (labels, active, size, d))
-  return labels
+  labels, _, _, _, first = jax.lax.fori_loop(
+      0, max(c - clusters, 0), merge, (labels, active, size, d, first))
+  return labels, first & valid
+
+
+def linkage_two(dist: jax.Array, valid: jax.Array,
+                linkage: str = 'average') -> jax.Array:
+  """Agglomerative clustering down to two clusters.
+
+  Args:
+    dist: float32[C, C] pairwise distances (symmetric).
+    valid: bool[C]; other points take no part.
+    linkage: 'average' (ClippedClustering) or 'single' (the distance of
+      two clusters is their closest pair; Blades' attack on
+      ClippedClustering).
+
+  Returns:
+    int32[C]: a cluster id per point (the smallest member index of its
+    cluster), -1 for invalid points.
+  """
+  return _agglomerate(dist, valid, linkage, 2)[0]
+
+
+def hdbscan_majority(dist: jax.Array, valid: jax.Array) -> jax.Array:
+  """The members HDBSCAN labels 0 with min_cluster_size = n // 2 + 1,
+  min_samples = 1 and allow_single_cluster (FLAME's clustering).
+
+  With min_samples = 1 a point's core distance is its nearest-neighbour
+  distance, never more than its distance to any other point, so mutual
+  reachability equals the distance and the hierarchy is single linkage.
+  With min_cluster_size m > n / 2 no split has two children of m points:
+  the condensed tree is the root alone, points dropping out as the
+  smaller side of each split, and allow_single_cluster labels 0 the points
+  that stay longest (largest lambda), i.e. the deepest single-linkage node
+  that still holds m points, which is the first cluster to reach m points
+  while merging.
+
+  Args:
+    dist: float32[C, C] pairwise distances.
+    valid: bool[C].
+
+  Returns:
+    bool[C]: the admitted points.
+  """
+  n = jnp.sum(valid)
+  return _agglomerate(dist, valid, 'single', 1, n // 2 + 1)[1]
 
 
 def clipped_clustering(*, num_byzantine: int = 0, max_tau: float = 1e5,
@@ -300,3 +347,53 @@ def signguard(*, num_byzantine: int = 0, lower_bound: float = 0.1,
     return _weighted(updates, x * clip[:, None], weights), state, info
 
   return Aggregator(stateless_init, aggregate)
+
+
+def flame(*, num_byzantine: int = 0, gamma: float = 1.2e-5) -> Aggregator:
+  """FLAME (Nguyen et al., USENIX Security 2022), as FLPoison runs it.
+
+    admitted = HDBSCAN(cosine distances of the updates, min_cluster_size =
+               n // 2 + 1, min_samples = 1, allow_single_cluster) label 0
+               (`hdbscan_majority`);
+    S        = median of every real client's update norm;
+    update   = mean over admitted of Delta_i min(1, S / ||Delta_i||);
+    new model w + update gets Gaussian noise on every parameter tensor,
+               std = gamma * S * std(that tensor of w + update)
+               (FLPoison's weak-DP step, gamma = 1.2e-5; the paper's
+               sigma = lambda S with lambda = 0.001 for images).
+  The noise is returned as part of the update. Deviation: FLPoison
+  clusters the flattened local models (model updates for FedAvg); here
+  the updates, which is what the cosine distance of FLAME's Sec. 4 is
+  about once the shared global model is subtracted.
+
+  info: 'weights' (min(1, S / ||Delta_i||) / |admitted| on the admitted),
+  'clip_norm' (S).
+  """
+  del num_byzantine
+  if not gamma >= 0:
+    raise setting('flame', 'gamma', f'must be >= 0, got {gamma}')
+
+  def aggregate(updates, mask, state, key, params):
+    x, valid = _clean_rows(updates, mask)
+    unit = unit_rows(x)
+    dist = 1.0 - jnp.matmul(unit, unit.T, precision='highest')
+    admitted = hdbscan_majority(dist, valid)
+    norms = safe_norm(x, axis=1)
+    clip = masked_median(norms, valid)
+    scale = jnp.where(norms > clip, clip / jnp.where(norms > 0, norms, 1.0),
+                      1.0)
+    k = jnp.maximum(jnp.sum(admitted), 1).astype(jnp.float32)
+    weights = jnp.where(admitted, scale / k, 0.0).astype(jnp.float32)
+    update = _weighted(updates, x, weights)
+    leaves, treedef = jax.tree.flatten(update)
+    keys = jax.random.split(key, len(leaves))
+    noisy = []
+    for leaf, base, k_leaf in zip(leaves, jax.tree.leaves(params), keys):
+      new = base.astype(jnp.float32) + leaf.astype(jnp.float32)
+      spread = jnp.std(new, ddof=1) if new.size > 1 else jnp.float32(0.0)
+      noise = gamma * clip * spread * jax.random.normal(k_leaf, leaf.shape)
+      noisy.append((leaf + noise).astype(leaf.dtype))
+    return (jax.tree.unflatten(treedef, noisy), state,
+            {'weights': weights, 'clip_norm': clip.astype(jnp.float32)})
+
+  return Aggregator(stateless_init, aggregate, reads=('params',))
