@@ -220,13 +220,23 @@ def read_final(workdir: str, metrics: list[str], last_k: int
   return out
 
 
-def finished(workdir: str) -> bool:
+def finished(workdir: str) -> tuple[str, str] | None:
+  """(status, note) of a cell whose run has ended; None if it must (re)run.
+
+  A diverged run (non-finite model) is a failure whatever round it reached:
+  its last evaluation would otherwise be read as the cell's result.
+  """
   path = os.path.join(workdir, 'summary.json')
   if not os.path.exists(path):
-    return False
+    return None
   with open(path) as f:
     summary = json.load(f)
-  return summary['rounds_completed'] >= summary['config']['num_rounds']
+  if summary.get('status') == 'diverged':
+    return 'failed', ('the global model is not finite (NaN or Inf) after '
+                      f"round {summary.get('diverged_round')}")
+  if summary['rounds_completed'] >= summary['config']['num_rounds']:
+    return 'ok', ''
+  return None
 
 
 def run_cell(cell_args: list[str], workdir: str) -> tuple[str, str]:
@@ -395,10 +405,8 @@ def main(argv):
       print(workdir)
       continue
     t0 = time.time()
-    if finished(workdir):
-      status, note = 'ok', ''
-    else:
-      status, note = run_cell(cell_flags(cell, axes), workdir)
+    status, note = finished(workdir) or run_cell(cell_flags(cell, axes),
+                                                 workdir)
     row = dict(cell, status=status, note=note)
     if status == 'ok':
       row.update(read_final(workdir, metrics, FLAGS.last_k))

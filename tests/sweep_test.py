@@ -173,3 +173,24 @@ def test_rfd_lora_reference_and_the_variant_names_the_paper_row():
   table3 = reference.load('RFD-LoRA', 'Table3')
   assert table3[('Coord. Median', 'IID rho=0.30')][
       'attack_success_rate'] == pytest.approx(0.162)
+
+
+def test_a_diverged_run_is_a_failure_not_its_last_accuracy(tmp_path):
+  """A run that stopped on a non-finite model at its last round has
+  rounds_completed == num_rounds; a re-run sweep must still report it
+  failed instead of reading its final (10%) accuracy."""
+  def write(name, **summary):
+    workdir = tmp_path / name
+    workdir.mkdir()
+    (workdir / 'summary.json').write_text(json.dumps(
+        dict(summary, config={'num_rounds': 5})))
+    return str(workdir)
+
+  status, note = sweep.finished(write('diverged', rounds_completed=5,
+                                      status='diverged', diverged_round=5))
+  assert status == 'failed' and 'round 5' in note
+  assert sweep.finished(write('done', rounds_completed=5,
+                              status='completed')) == ('ok', '')
+  assert sweep.finished(write('partial', rounds_completed=3,
+                              status='running')) is None
+  assert sweep.finished(str(tmp_path / 'absent')) is None
