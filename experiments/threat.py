@@ -237,8 +237,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                        ('server_batch_size', config['batch_size']),
                        ('server_steps', steps)):
       agg_kwargs.setdefault(key, value)
-  if name in ('foolsgold', 'foolsgold_ids'):
-    # Its similarities are over the output layer (the model's head).
+  if name in ('foolsgold', 'foolsgold_ids', 'auror'):
+    # Their features are the output layer's (the model's head).
     head = (cohorts[0].model.roles or {}).get('head') if cohorts else None
     agg_kwargs.setdefault('output_path', head)
   if name in aggregators.FULL_PARTICIPATION_RULES and (c != k or delayed):

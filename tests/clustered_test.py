@@ -236,5 +236,36 @@ class FlameTest(absltest.TestCase):
                                rtol=0.15)
 
 
+class AurorTest(absltest.TestCase):
+
+  def test_indicative_features_and_the_majority_cluster(self):
+    """Attackers shift 3 of the output layer's coordinates: those become
+    the indicative ones, the attackers the minority cluster, and the
+    update the honest mean. After find_rounds the set is frozen."""
+    rng = np.random.default_rng(7)
+    tree = lambda x: {'body': {'kernel': jnp.asarray(x[:, :4], jnp.float32)},
+                      'head': {'kernel': jnp.asarray(x[:, 4:], jnp.float32)}}
+    x = rng.normal(size=(9, 10)) * 1e-4
+    x[[1, 4, 7], 5:8] += 0.05                   # head coordinates 1-3
+    agg = AGGREGATORS['auror'](output_path='head', find_rounds=1)
+    one = jax.tree.map(lambda a: a[0], tree(x))
+    state = agg.init(one)
+    out, state, info = agg.aggregate(tree(x), jnp.ones(9, bool), state, KEY)
+    np.testing.assert_array_equal(np.flatnonzero(state.indicative),
+                                  [1, 2, 3])
+    honest = np.setdiff1d(np.arange(9), [1, 4, 7])
+    np.testing.assert_array_equal(np.flatnonzero(info['weights']), honest)
+    np.testing.assert_allclose(np.asarray(out['head']['kernel']),
+                               x[honest, 4:].mean(0), rtol=1e-5, atol=1e-8)
+    # Round 2: the attackers move to other coordinates; the frozen set
+    # no longer sees them, so everyone falls in one 2-means split of
+    # noise and the set itself is unchanged.
+    y = rng.normal(size=(9, 10)) * 1e-4
+    y[[1, 4, 7], 8:] += 0.05
+    _, state2, _ = agg.aggregate(tree(y), jnp.ones(9, bool), state, KEY)
+    np.testing.assert_array_equal(state2.indicative, state.indicative)
+    self.assertEqual(int(state2.round), 2)
+
+
 if __name__ == '__main__':
   absltest.main()

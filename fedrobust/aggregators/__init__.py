@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from fedrobust.aggregators import auror as auror_lib
 from fedrobust.aggregators import clustered
 from fedrobust.aggregators import coordinatewise
 from fedrobust.aggregators import dnc as dnc_lib
@@ -57,6 +58,7 @@ AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     'clipped_clustering': clustered.clipped_clustering,
     'signguard': clustered.signguard,
     'flame': clustered.flame,
+    'auror': auror_lib.auror,
     'mda': subset_lib.mda,
     'smea': subset_lib.smea,
     'monna': subset_lib.monna,
