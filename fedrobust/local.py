@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedrobust.tree import tree_sq_norm, tree_sub
 from fedrobust.types import BatchPlan, LocalData
 
 Params = Any
@@ -217,9 +218,9 @@ def _add_stealth(grads: Params, p: Params, start: Params, rho: float,
                  is_malicious: jax.Array) -> Params:
   """grads + rho * d||p - start||_2 / dp for an attacker (alternating
   minimization's stealth objective); 0 at p = start; benign: unchanged."""
-  diff = jax.tree.map(jnp.subtract, p, start)
-  norm = jnp.sqrt(sum(jnp.sum(jnp.square(d.astype(jnp.float32)))
-                      for d in jax.tree.leaves(diff)))
+  diff = tree_sub(p, start)
+  norm = jnp.sqrt(tree_sq_norm(jax.tree.map(
+      lambda d: d.astype(jnp.float32), diff)))
   coef = jnp.where(is_malicious & (norm > 0),
                    rho / jnp.where(norm > 0, norm, 1.0), 0.0)
   return jax.tree.map(lambda g, d: g + (coef * d).astype(g.dtype), grads,

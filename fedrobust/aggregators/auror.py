@@ -36,12 +36,11 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator
+from fedrobust.aggregators.clustered import clean_rows, weighted_update
 from fedrobust.aggregators.clustering import kmeans2_1d
-from fedrobust.aggregators.finetune import (finite_clients, first_client,
-                                            select_rows)
+from fedrobust.aggregators.finetune import first_client, ravel_one
 from fedrobust.aggregators.foolsgold import feature_index
-from fedrobust.aggregators.mean import setting
-from fedrobust.tree import ravel_clients, unravel_like
+from fedrobust.aggregators.mean import check_int, setting
 
 
 class AurorState(NamedTuple):
@@ -108,26 +107,21 @@ def auror(*, num_byzantine: int = 0, threshold: float = 0.002,
   del num_byzantine
   if not threshold > 0:
     raise setting('auror', 'threshold', f'must be > 0, got {threshold}')
-  if not (isinstance(find_rounds, int) and find_rounds >= 1):
-    raise setting('auror', 'find_rounds', f'must be an int >= 1, got '
-                  f'{find_rounds!r}')
-  if not (isinstance(iters, int) and iters >= 1):
-    raise setting('auror', 'iters', f'must be an int >= 1, got {iters!r}')
+  check_int('auror', 'find_rounds', find_rounds)
+  check_int('auror', 'iters', iters)
 
   def head(flat, one):
     index = feature_index(one, output_path)
     return flat if index is None else flat[:, index]
 
   def init(params):
-    features = head(ravel_clients(jax.tree.map(lambda a: a[None], params)),
-                    params).shape[1]
+    index = feature_index(params, output_path)
+    features = ravel_one(params).shape[0] if index is None else len(index)
     return AurorState(jnp.zeros((features,), bool), jnp.int32(0))
 
   def aggregate(updates, mask, state, key):
     del key
-    flat = ravel_clients(updates).astype(jnp.float32)
-    valid = finite_clients(flat, jnp.asarray(mask, bool))
-    x = select_rows(flat, valid)
+    x, valid = clean_rows(updates, mask)
     h = head(x, first_client(updates))
     finding = state.round < find_rounds
     indicative = jnp.where(
@@ -138,8 +132,7 @@ def auror(*, num_byzantine: int = 0, threshold: float = 0.002,
                        valid)
     k = jnp.maximum(jnp.sum(benign), 1).astype(jnp.float32)
     weights = jnp.where(benign, 1.0 / k, 0.0).astype(jnp.float32)
-    agg = jnp.einsum('c,cd->d', weights, x, precision='highest')
-    return (unravel_like(agg, first_client(updates)),
+    return (weighted_update(updates, x, weights),
             AurorState(indicative, state.round + 1),
             {'weights': weights,
              'indicative': jnp.sum(indicative).astype(jnp.float32)})

@@ -47,7 +47,13 @@ REQUIREMENTS = {
 }
 
 
-def _clean_rows(updates, mask):
+def cosine_distances(x: jax.Array) -> jax.Array:
+  """float32[C, C]: 1 - cos(x_i, x_j); a zero row is at distance 1."""
+  unit = unit_rows(x)
+  return 1.0 - jnp.matmul(unit, unit.T, precision='highest')
+
+
+def clean_rows(updates, mask):
   """(float32[C, D] rows with non-finite and masked ones zeroed, bool[C]
   the real finite clients)."""
   flat = ravel_clients(updates).astype(jnp.float32)
@@ -55,7 +61,8 @@ def _clean_rows(updates, mask):
   return select_rows(flat, valid), valid
 
 
-def _weighted(updates, clean, weights):
+def weighted_update(updates, clean, weights):
+  """sum_c weights[c] clean[c], as one client's tree (shapes of updates)."""
   agg = jnp.einsum('c,cd->d', weights, clean, precision='highest')
   return unravel_like(agg, first_client(updates))
 
@@ -66,7 +73,7 @@ def meamed(*, num_byzantine: int = 0) -> Aggregator:
 
   def aggregate(updates, mask, state, key):
     del key
-    x, valid = _clean_rows(updates, mask)
+    x, valid = clean_rows(updates, mask)
     n = jnp.sum(valid)
     k = jnp.maximum(n - f, 1)
     med = masked_median(x, valid)
@@ -96,7 +103,7 @@ def simple_clustering(*, num_byzantine: int = 0, eps: float = 0.05,
 
   def aggregate(updates, mask, state, key):
     del key
-    x, valid = _clean_rows(updates, mask)
+    x, valid = clean_rows(updates, mask)
     radius = jnp.float32(eps)
     # Distances from a Gram matrix (no [C, C, D] differences); +inf off
     # the real rows.
@@ -115,7 +122,7 @@ def simple_clustering(*, num_byzantine: int = 0, eps: float = 0.05,
     member = valid & (labels == biggest) & (sizes[biggest] > 0)
     total = jnp.sum(member).astype(jnp.float32)
     weights = jnp.where(member, 1.0 / jnp.maximum(total, 1.0), 0.0)
-    return (_weighted(updates, x, weights), state,
+    return (weighted_update(updates, x, weights), state,
             {'weights': weights.astype(jnp.float32),
              'clusters': jnp.sum(sizes > 0).astype(jnp.float32)})
 
@@ -254,7 +261,7 @@ def clipped_clustering(*, num_byzantine: int = 0, max_tau: float = 1e5,
 
   def aggregate(updates, mask, state, key):
     del key
-    x, valid = _clean_rows(updates, mask)
+    x, valid = clean_rows(updates, mask)
     c = x.shape[0]
     norms = safe_norm(x, axis=1)
     # Append this round's norms to the ring buffer (valid ones only).
@@ -268,9 +275,7 @@ def clipped_clustering(*, num_byzantine: int = 0, max_tau: float = 1e5,
     scale = jnp.where(norms > tau, tau / jnp.where(norms > 0, norms, 1.0),
                       1.0)
     clipped = x * scale[:, None]
-    unit = unit_rows(clipped)
-    cos = jnp.matmul(unit, unit.T, precision='highest')
-    dist = 1.0 - cos
+    dist = cosine_distances(clipped)
     labels = linkage_two(dist, valid)
     member = labels[None, :] == jnp.arange(c)[:, None]        # [cluster, c]
     sizes = jnp.sum(member, axis=1).astype(jnp.float32)
@@ -286,7 +291,7 @@ def clipped_clustering(*, num_byzantine: int = 0, max_tau: float = 1e5,
     weights = jnp.where(keep, 1.0 / jnp.maximum(total, 1.0), 0.0)
     info = {'weights': weights.astype(jnp.float32),
             'clip_norm': tau.astype(jnp.float32)}
-    return (_weighted(updates, clipped, weights),
+    return (weighted_update(updates, clipped, weights),
             ClippedClusteringState(buffer, count), info)
 
   return Aggregator(init, aggregate)
@@ -318,7 +323,7 @@ def signguard(*, num_byzantine: int = 0, lower_bound: float = 0.1,
     raise setting('signguard', 'eps', f'must be > 0, got {eps}')
 
   def aggregate(updates, mask, state, key):
-    x, valid = _clean_rows(updates, mask)
+    x, valid = clean_rows(updates, mask)
     c, d = x.shape
     norms = safe_norm(x, axis=1)
     med = masked_median(norms, valid)
@@ -344,7 +349,7 @@ def signguard(*, num_byzantine: int = 0, lower_bound: float = 0.1,
     info = {'weights': weights.astype(jnp.float32),
             'norm_kept': jnp.sum(valid & by_norm).astype(jnp.float32),
             'sign_kept': jnp.sum(valid & by_sign).astype(jnp.float32)}
-    return _weighted(updates, x * clip[:, None], weights), state, info
+    return weighted_update(updates, x * clip[:, None], weights), state, info
 
   return Aggregator(stateless_init, aggregate)
 
@@ -374,9 +379,8 @@ def flame(*, num_byzantine: int = 0, gamma: float = 1.2e-5) -> Aggregator:
     raise setting('flame', 'gamma', f'must be >= 0, got {gamma}')
 
   def aggregate(updates, mask, state, key, params):
-    x, valid = _clean_rows(updates, mask)
-    unit = unit_rows(x)
-    dist = 1.0 - jnp.matmul(unit, unit.T, precision='highest')
+    x, valid = clean_rows(updates, mask)
+    dist = cosine_distances(x)
     admitted = hdbscan_majority(dist, valid)
     norms = safe_norm(x, axis=1)
     clip = masked_median(norms, valid)
@@ -384,7 +388,7 @@ def flame(*, num_byzantine: int = 0, gamma: float = 1.2e-5) -> Aggregator:
                       1.0)
     k = jnp.maximum(jnp.sum(admitted), 1).astype(jnp.float32)
     weights = jnp.where(admitted, scale / k, 0.0).astype(jnp.float32)
-    update = _weighted(updates, x, weights)
+    update = weighted_update(updates, x, weights)
     leaves, treedef = jax.tree.flatten(update)
     keys = jax.random.split(key, len(leaves))
     noisy = []

@@ -76,6 +76,15 @@ def setting(name: str, argument: str, message: str) -> SettingError:
   return SettingError(argument, message, component=f'aggregator {name}')
 
 
+def check_int(name: str, argument: str, value: Any, *,
+              minimum: int = 1) -> int:
+  """value, or a SettingError unless it is an int >= minimum."""
+  if not (isinstance(value, int) and value >= minimum):
+    raise setting(name, argument, f'must be an int >= {minimum}, got '
+                  f'{value!r}')
+  return value
+
+
 def flatten(updates: Any) -> tuple[jax.Array, Any]:
   """Stacked tree (leaves [C, ...]) -> (float32[C, D], one client's spec)."""
   like = jax.tree.map(

@@ -45,11 +45,9 @@ import numpy as np
 
 from fedrobust.aggregators.base import Aggregator, stateless_init
 from fedrobust.aggregators import krum as krum_lib
-from fedrobust.aggregators.finetune import (finite_clients, first_client,
-                                            masked_median, select_rows)
-from fedrobust.aggregators.mean import check_num_byzantine, setting
-from fedrobust.errors import SettingError
-from fedrobust.tree import ravel_clients, unravel_like
+from fedrobust.aggregators.clustered import clean_rows, weighted_update
+from fedrobust.aggregators.finetune import masked_median, select_rows
+from fedrobust.aggregators.mean import check_int, check_num_byzantine, setting
 
 REQUIREMENTS = {
     'mda': ('2f < n', lambda f: 2 * f + 1),
@@ -66,20 +64,13 @@ def removal_sets(num_slots: int, f: int, max_subsets: int, rule: str
   """int32[K, f]: every f-subset of range(num_slots), K = comb(C, f)."""
   count = math.comb(num_slots, f)
   if count > max_subsets:
-    raise SettingError(
-        'num_byzantine', f'{rule} enumerates every subset of n - f '
+    raise setting(
+        rule, 'num_byzantine', f'{rule} enumerates every subset of n - f '
         f'clients: comb({num_slots}, {f}) = {count:,} candidates exceed '
         f'max_subsets={max_subsets:,}; lower num_byzantine or '
-        'clients_per_round, or raise max_subsets',
-        component=f'aggregator {rule}')
+        'clients_per_round, or raise max_subsets')
   return np.asarray(list(itertools.combinations(range(num_slots), f)),
                     np.int32).reshape(count, f)
-
-
-def _rows(updates, mask):
-  flat = ravel_clients(updates).astype(jnp.float32)
-  valid = finite_clients(flat, jnp.asarray(mask, bool))
-  return select_rows(flat, valid), valid
 
 
 def _subset_rule(name: str, f: int, max_subsets: int, power_iters: int,
@@ -88,7 +79,7 @@ def _subset_rule(name: str, f: int, max_subsets: int, power_iters: int,
 
   def aggregate(updates, mask, state, key):
     del key
-    x, valid = _rows(updates, mask)
+    x, valid = clean_rows(updates, mask)
     c = x.shape[0]
     removed = jnp.asarray(removal_sets(c, f, max_subsets, name))   # [K, f]
     out = jnp.zeros((removed.shape[0], c), bool).at[
@@ -102,8 +93,7 @@ def _subset_rule(name: str, f: int, max_subsets: int, power_iters: int,
     chosen = members[best]
     k = jnp.maximum(jnp.sum(chosen), 1).astype(jnp.float32)
     weights = jnp.where(chosen, 1.0 / k, 0.0).astype(jnp.float32)
-    agg = jnp.einsum('c,cd->d', weights, x, precision='highest')
-    return (unravel_like(agg, first_client(updates)), state,
+    return (weighted_update(updates, x, weights), state,
             {'weights': weights, 'score': score[best].astype(jnp.float32)})
 
   return Aggregator(stateless_init, aggregate)
@@ -150,19 +140,10 @@ def _top_covariance(d2, members, power_iters):
   return jnp.where(finite, lam, jnp.inf)
 
 
-def _check_subset(name, max_subsets, power_iters):
-  if not (isinstance(max_subsets, int) and max_subsets >= 1):
-    raise setting(name, 'max_subsets', f'must be an int >= 1, got '
-                  f'{max_subsets!r}')
-  if not (isinstance(power_iters, int) and power_iters >= 1):
-    raise setting(name, 'power_iters', f'must be an int >= 1, got '
-                  f'{power_iters!r}')
-
-
 def mda(*, num_byzantine: int = 0, max_subsets: int = 20000) -> Aggregator:
   """Minimum-diameter averaging (ByzFL's MDA)."""
   f = check_num_byzantine('mda', num_byzantine)
-  _check_subset('mda', max_subsets, 1)
+  check_int('mda', 'max_subsets', max_subsets)
   return _subset_rule('mda', f, max_subsets, 1, _diameter)
 
 
@@ -170,7 +151,8 @@ def smea(*, num_byzantine: int = 0, max_subsets: int = 20000,
          power_iters: int = 100) -> Aggregator:
   """Smallest-maximum-eigenvalue averaging (ByzFL's SMEA)."""
   f = check_num_byzantine('smea', num_byzantine)
-  _check_subset('smea', max_subsets, power_iters)
+  check_int('smea', 'max_subsets', max_subsets)
+  check_int('smea', 'power_iters', power_iters)
   return _subset_rule('smea', f, max_subsets, power_iters, _top_covariance)
 
 
@@ -190,7 +172,7 @@ def monna(*, num_byzantine: int = 0, pivot: str = 'median') -> Aggregator:
 
   def aggregate(updates, mask, state, key):
     del key
-    x, valid = _rows(updates, mask)
+    x, valid = clean_rows(updates, mask)
     n = jnp.sum(valid)
     k = jnp.maximum(n - f, 1)
     centre = masked_median(x, valid)
@@ -201,8 +183,7 @@ def monna(*, num_byzantine: int = 0, pivot: str = 'median') -> Aggregator:
     rank = jnp.argsort(jnp.argsort(d2, stable=True), stable=True)
     chosen = valid & (rank < k)
     weights = jnp.where(chosen, 1.0 / k.astype(jnp.float32), 0.0)
-    agg = jnp.einsum('c,cd->d', weights, x, precision='highest')
-    return (unravel_like(agg, first_client(updates)), state,
+    return (weighted_update(updates, x, weights), state,
             {'weights': weights.astype(jnp.float32)})
 
   return Aggregator(stateless_init, aggregate)
@@ -235,14 +216,12 @@ def caf(*, num_byzantine: int = 0, power_iters: int = 100,
   the units of the median-centred, norm-scaled rows).
   """
   f = check_num_byzantine('caf', num_byzantine)
-  _check_subset('caf', 1, power_iters)
-  if not (isinstance(max_steps, int) and max_steps >= 1):
-    raise setting('caf', 'max_steps', f'must be an int >= 1, got '
-                  f'{max_steps!r}')
+  check_int('caf', 'power_iters', power_iters)
+  check_int('caf', 'max_steps', max_steps)
 
   def aggregate(updates, mask, state, key):
     del key
-    x, valid = _rows(updates, mask)
+    x, valid = clean_rows(updates, mask)
     n = jnp.sum(valid).astype(jnp.float32)
     centred = select_rows(x - masked_median(x, valid)[None], valid)
     norms = jnp.where(valid, jnp.max(jnp.abs(centred), axis=1), 0.0)
@@ -286,8 +265,7 @@ def caf(*, num_byzantine: int = 0, power_iters: int = 100,
     _, lam, w, _ = jax.lax.fori_loop(
         0, max_steps, step, (c0, jnp.float32(jnp.inf), w0, jnp.bool_(True)))
     w = jnp.where(valid, w, 0.0).astype(jnp.float32)
-    agg = jnp.einsum('c,cd->d', w, x, precision='highest')
-    return (unravel_like(agg, first_client(updates)), state,
+    return (weighted_update(updates, x, w), state,
             {'weights': w, 'score': jnp.where(jnp.isfinite(lam), lam,
                                               0.0).astype(jnp.float32)})
 

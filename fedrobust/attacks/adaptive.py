@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fedrobust.aggregators.clustered import linkage_two
+from fedrobust.aggregators.clustered import cosine_distances, linkage_two
 from fedrobust.aggregators.finetune import safe_norm
 from fedrobust.attacks.model_poisoning import (ModelAttack, benign_stats,
                                                check_positive,
@@ -77,12 +77,9 @@ def signguard_adaptive() -> ModelAttack:
 def _cosine_distances(x: jax.Array, valid: jax.Array) -> jax.Array:
   """1 - cos(x_i, x_j) over valid rows; a zero row is at distance 2 (the
   reference maps NaN cosine distances to 2)."""
-  norms = safe_norm(x, axis=1)
-  ok = valid & (norms > 0)
-  unit = jnp.where(ok[:, None], x / jnp.where(ok, norms, 1.0)[:, None], 0.0)
-  cos = jnp.matmul(unit, unit.T, precision='highest')
+  ok = valid & (safe_norm(x, axis=1) > 0)
   both = ok[:, None] & ok[None, :]
-  return jnp.where(both, 1.0 - jnp.clip(cos, -1.0, 1.0), 2.0)
+  return jnp.where(both, jnp.clip(cosine_distances(x), 0.0, 2.0), 2.0)
 
 
 def clippedclustering_adaptive(*, scale: float = 10.0, margin: float = 0.1,
