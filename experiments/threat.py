@@ -214,7 +214,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
   plain = len(cohorts) <= 1 and all(ch.transform.name == 'identity'
                                     for ch in cohorts)
   if (name in aggregators.SERVER_DATA_RULES or
-      name in aggregators.GLOBAL_MODEL_RULES) and not plain:
+      name in aggregators.GLOBAL_MODEL_RULES or
+      name in aggregators.MODEL_EVAL_RULES) and not plain:
     raise ValueError(f'--aggregator={name} scores or trains the full global '
                      'model: it needs one cohort and --transform=identity')
   if name in aggregators.SERVER_DATA_RULES:
@@ -237,7 +238,11 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                        ('server_batch_size', config['batch_size']),
                        ('server_steps', steps)):
       agg_kwargs.setdefault(key, value)
-  if name in ('foolsgold', 'foolsgold_ids', 'auror'):
+  if name in aggregators.MODEL_EVAL_RULES:
+    agg_kwargs.setdefault('apply_fn', cohorts[0].model.apply)
+    if name == 'deepsight':
+      agg_kwargs.setdefault('input_shape', cohorts[0].model.input_shape)
+  if name in ('foolsgold', 'foolsgold_ids', 'auror', 'deepsight', 'flare'):
     # Their features are the output layer's (the model's head).
     head = (cohorts[0].model.roles or {}).get('head') if cohorts else None
     agg_kwargs.setdefault('output_path', head)

@@ -54,6 +54,8 @@ def _make_params_and_server_data():
 
 
 PARAMS, SERVER_DATA = _make_params_and_server_data()
+# The `params` extra (the global model) for the rules that read it.
+GLOBAL = jax.tree.map(jnp.asarray, PARAMS)
 SERVER = dict(server_data=SERVER_DATA, apply_fn=apply_fn)
 
 
@@ -68,7 +70,22 @@ def hparams(name: str, slots: int) -> dict:
       'rlr': dict(threshold=2),
       'crfl': dict(clip_norm=15.0, sigma=0.01),
       'lasa': {},
+      # Small clusters for 4 clients; the head is the whole model ('w',
+      # 'b' at the root).
+      'deepsight': dict(apply_fn=apply_fn, input_shape=(2, 2, 1),
+                        output_path='', num_seeds=1, num_samples=48,
+                        sample_batch=32,
+                        min_cluster_size=2, min_samples=1),
+      'flare': dict(SERVER, output_path='', aux_data_num=8),
   }[name]
+
+
+def aggregate(agg, updates, mask, state, key):
+  """agg.aggregate, with the global model for the rules that read it
+  (DeepSight, FLARE); FLDetector's optional `ids` stay unset."""
+  if 'params' in agg.reads:
+    return call_aggregator(agg, updates, mask, state, key, params=GLOBAL)
+  return agg.aggregate(updates, mask, state, key)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,7 +94,7 @@ def compiled(name: str, slots: int):
   agg = SERVER_AIDED[name](num_byzantine=1, **hparams(name, slots))
 
   def step(updates, mask, state, key):
-    return agg.aggregate(updates, mask, state, key)
+    return aggregate(agg, updates, mask, state, key)
 
   # chex counts traces per (definition site, source, __name__): a unique
   # name gives every compiled instance its own counter.
@@ -165,8 +182,8 @@ class ConformanceTest(parameterized.TestCase):
       self.assertTrue(np.all(np.isfinite(weights)) and np.all(weights >= 0))
       np.testing.assert_array_equal(weights[~maskp], 0.0)
       # Eager, without the masked slots: the same answer.
-      out_e, state_e, info_e = eager.aggregate(tree(x), jnp.ones(C, bool),
-                                               state_e, key)
+      out_e, state_e, info_e = aggregate(eager, tree(x), jnp.ones(C, bool),
+                                         state_e, key)
       np.testing.assert_allclose(flat1(out), flat1(out_e), atol=1e-6,
                                  rtol=1e-6)
       np.testing.assert_allclose(weights[maskp], info_e['weights'],
@@ -191,7 +208,7 @@ class ConformanceTest(parameterized.TestCase):
   def test_registry_and_missing_server_data(self):
     self.assertEqual(set(SERVER_AIDED), {
         'fltrust', 'foolsgold', 'foolsgold_ids', 'rlr', 'crfl',
-        'fldetector', 'lasa', 'sageflow', 'finetune'})
+        'fldetector', 'lasa', 'sageflow', 'finetune', 'deepsight', 'flare'})
     with self.assertRaises((TypeError, ValueError)):
       SERVER_AIDED['fltrust'](num_byzantine=0)
     with self.assertRaisesRegex(ValueError, 'server_data'):

@@ -142,7 +142,11 @@ __all__ = ['AGGREGATORS', 'Aggregator', 'EXTRAS', 'PRE_AGGREGATORS',
 
 
 # Rules that read the server's clean data (factory args server_data, apply_fn).
-SERVER_DATA_RULES = ('fltrust', 'sageflow', 'finetune')
+SERVER_DATA_RULES = ('fltrust', 'sageflow', 'finetune', 'flare')
+# Rules that run the clients' full models (params + update) through the
+# model's apply: one cohort and the identity transform (factory args
+# apply_fn, output_path; deepsight also input_shape).
+MODEL_EVAL_RULES = ('deepsight', 'flare')
 # Rules that read the full global model's values (server lr 1): they need
 # one cohort and the identity transform.
 GLOBAL_MODEL_RULES = ('fltrust', 'crfl', 'sageflow', 'finetune')

@@ -15,6 +15,8 @@
 | lasa       | -                           | () (stateless)                 |
 | sageflow   | server_data, apply_fn       | params                         |
 | finetune   | server_data, apply_fn       | params                         |
+| deepsight  | apply_fn, input_shape       | () (reads the `params` extra)  |
+| flare      | server_data, apply_fn       | () (reads the `params` extra)  |
 
 Global-model contract (fltrust, crfl, fldetector, sageflow, finetune):
   * `init(params)` stores the global model w_0 in `state.params`.
@@ -67,6 +69,7 @@ from fedrobust.aggregators.finetune import finetune
 from fedrobust.aggregators.fldetector import fldetector
 from fedrobust.aggregators.fltrust import fltrust
 from fedrobust.aggregators.foolsgold import foolsgold
+from fedrobust.aggregators.inspection import INSPECTION
 from fedrobust.aggregators.lasa import lasa
 from fedrobust.aggregators.rlr import rlr
 from fedrobust.aggregators.sageflow import sageflow
@@ -81,4 +84,5 @@ SERVER_AIDED: dict[str, Callable[..., Aggregator]] = {
     'lasa': lasa,
     'sageflow': sageflow,
     'finetune': finetune,
+    **INSPECTION,
 }

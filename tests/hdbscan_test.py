@@ -1,0 +1,116 @@
+"""fedrobust.aggregators.hdbscan against the `hdbscan` package's labels.
+
+The golden labels (tests/data/hdbscan_golden.json, written by
+tests/data/make_hdbscan_golden.py with hdbscan 0.8.44) are the package's
+on 48 seeded inputs: Gaussian blobs and DeepSight-style mean 0/1
+matrices full of exact ties, with min_cluster_size 2-6, min_samples 1-4,
+allow_single_cluster on and off. `labels` is the package with its MST
+edge sort made stable, which is what the JAX function mirrors; the
+shipped package (`labels_unpatched`) breaks ties with NumPy's unstable
+sort and differs on one case. All cases share one compiled function (the
+settings are traced), padded to a fixed slot count with masked garbage slots.
+"""
+
+import json
+import os
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedrobust.aggregators.hdbscan import hdbscan
+
+SLOTS = 32
+_HERE = os.path.dirname(__file__)
+with open(os.path.join(_HERE, 'data', 'hdbscan_golden.json')) as _f:
+  GOLDEN = json.load(_f)
+
+
+def distances(case):
+  """As make_hdbscan_golden.distances (float64, rounded via float32)."""
+  if 'points' in case:
+    x = np.asarray(case['points'], np.float64)
+    d = np.sqrt(((x[:, None] - x[None]) ** 2).sum(-1))
+  else:
+    d = np.mean([(np.asarray(l)[:, None] != np.asarray(l)[None]).astype(
+        np.float64) for l in case['partitions']], axis=0)
+  return d.astype(np.float32)
+
+
+# One compile for every case: the settings are traced arguments.
+_JITTED = jax.jit(lambda d, valid, mcs, ms, single: hdbscan(
+    d, valid, min_cluster_size=mcs, min_samples=ms,
+    allow_single_cluster=single))
+
+
+def compiled(mcs, ms, single):
+  return lambda d, valid: _JITTED(d, valid, jnp.int32(mcs), jnp.int32(ms),
+                                  jnp.bool_(single))
+
+
+def same_partition(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  return (np.array_equal(a == -1, b == -1) and
+          np.array_equal(a[:, None] == a[None], b[:, None] == b[None]))
+
+
+def padded(d, where):
+  """d in slots `where` of a SLOTS x SLOTS matrix holding garbage
+  elsewhere, and the valid mask."""
+  out = np.full((SLOTS, SLOTS), np.nan, np.float32)
+  out[np.ix_(where, where)] = d
+  valid = np.zeros(SLOTS, bool)
+  valid[where] = True
+  return out, valid
+
+
+class HdbscanTest(absltest.TestCase):
+
+  def test_matches_the_package(self):
+    mismatches = []
+    for i, case in enumerate(GOLDEN['cases']):
+      d = distances(case)
+      n = len(d)
+      # Real points in their order, spread over the slots (masked slots
+      # between them hold NaN).
+      where = np.sort(np.random.default_rng(i).choice(SLOTS, n,
+                                                      replace=False))
+      dp, valid = padded(d, where)
+      fn = compiled(case['min_cluster_size'], case['min_samples'],
+                    case['allow_single_cluster'])
+      got = np.asarray(fn(jnp.asarray(dp), jnp.asarray(valid)))
+      self.assertTrue(np.all(got[~valid] == -1))
+      if not same_partition(got[where], case['labels']):
+        mismatches.append((i, got[where].tolist(), case['labels']))
+    self.assertEqual(mismatches, [])
+    # The golden set does exercise clusters, noise and single clusters.
+    flat = [l for case in GOLDEN['cases'] for l in case['labels']]
+    self.assertIn(-1, flat)
+    self.assertGreater(max(flat), 1)
+
+  def test_unpatched_package_differs_only_on_ties(self):
+    # Where the shipped package differs from the stable-sort package, the
+    # case has tied mutual-reachability edges (here: all are blob cases
+    # with min_samples > 1 or tie matrices).
+    differ = [i for i, c in enumerate(GOLDEN['cases'])
+              if c['labels'] != c['labels_unpatched']]
+    self.assertLessEqual(len(differ), 2)
+    for i in differ:
+      case = GOLDEN['cases'][i]
+      self.assertTrue('partitions' in case or case['min_samples'] > 1)
+
+  def test_too_few_points_is_all_noise(self):
+    d = np.zeros((SLOTS, SLOTS), np.float32)
+    valid = np.zeros(SLOTS, bool)
+    valid[3] = True
+    got = compiled(2, 1, True)(jnp.asarray(d), jnp.asarray(valid))
+    self.assertTrue(np.all(np.asarray(got) == -1))
+
+  def test_min_cluster_size_is_checked(self):
+    with self.assertRaisesRegex(ValueError, 'min_cluster_size'):
+      hdbscan(jnp.zeros((3, 3)), jnp.ones(3, bool), min_cluster_size=1)
+
+
+if __name__ == '__main__':
+  absltest.main()
