@@ -392,6 +392,9 @@ def bad_client_round(rule):
             aggregators.CLIENT_ID_RULES else {})
   if rule in aggregators.UNLEARNING_RULES:
     kwargs.update(forget=np.arange(C) == 2, unlearn_round=2)
+  if rule == 'deepsight':          # runs the models on a few random inputs
+    kwargs.update(apply_fn=model.apply, input_shape=model.input_shape,
+                  num_seeds=1, num_samples=16, sample_batch=16)
   agg = aggregators.get_aggregator(rule, num_byzantine=1, **kwargs)
   method = get_method('fedavg', cohorts=single_cohort(
       model, identity(model), C, C), local=local,

@@ -36,9 +36,10 @@ import jax.numpy as jnp
 from fedrobust.aggregators.base import Aggregator, stateless_init
 from fedrobust.aggregators.clustering import dbscan_distances
 from fedrobust.aggregators import krum as krum_lib
-from fedrobust.aggregators.finetune import (finite_clients, first_client,
-                                            masked_median, safe_norm,
-                                            select_rows, unit_rows)
+from fedrobust.aggregators.finetune import (clip_factors, finite_clients,
+                                            first_client, masked_median,
+                                            safe_norm, select_rows,
+                                            unit_rows)
 from fedrobust.aggregators.mean import check_num_byzantine, setting
 from fedrobust.tree import ravel_clients, unravel_like
 
@@ -272,8 +273,7 @@ def clipped_clustering(*, num_byzantine: int = 0, max_tau: float = 1e5,
     seen = jnp.minimum(count, history)
     tau = jnp.minimum(masked_median(buffer, jnp.arange(history) < seen),
                       max_tau)
-    scale = jnp.where(norms > tau, tau / jnp.where(norms > 0, norms, 1.0),
-                      1.0)
+    scale = clip_factors(x, tau)
     clipped = x * scale[:, None]
     dist = cosine_distances(clipped)
     labels = linkage_two(dist, valid)
@@ -342,8 +342,7 @@ def signguard(*, num_byzantine: int = 0, lower_bound: float = 0.1,
                     (labels[None, :] >= 0), axis=1)
     by_sign = (labels == jnp.argmax(sizes)) & (jnp.max(sizes) > 0)
     keep = valid & by_norm & by_sign
-    clip = jnp.where(norms > med, med / jnp.where(norms > 0, norms, 1.0),
-                     1.0)
+    clip = clip_factors(x, med)
     total = jnp.sum(keep).astype(jnp.float32)
     weights = jnp.where(keep, 1.0 / jnp.maximum(total, 1.0), 0.0)
     info = {'weights': weights.astype(jnp.float32),
@@ -384,8 +383,7 @@ def flame(*, num_byzantine: int = 0, gamma: float = 1.2e-5) -> Aggregator:
     admitted = hdbscan_majority(dist, valid)
     norms = safe_norm(x, axis=1)
     clip = masked_median(norms, valid)
-    scale = jnp.where(norms > clip, clip / jnp.where(norms > 0, norms, 1.0),
-                      1.0)
+    scale = clip_factors(x, clip)
     k = jnp.maximum(jnp.sum(admitted), 1).astype(jnp.float32)
     weights = jnp.where(admitted, scale / k, 0.0).astype(jnp.float32)
     update = weighted_update(updates, x, weights)

@@ -58,12 +58,24 @@ def select_rows(flat: jax.Array, keep: jax.Array) -> jax.Array:
 def safe_norm(x: jax.Array, axis: int = -1) -> jax.Array:
   """L2 norm along `axis` that does not overflow for entries up to ~1e38.
 
-  ||x|| = m * ||x / m|| with m = max |x|; 0 for an all-zero vector.
+  ||x|| = m * ||x / m|| with m = max |x| / 8; 0 for an all-zero vector,
+  inf when the norm itself exceeds the float32 range. The 1/8 keeps 1 / m
+  a normal number: XLA divides by multiplying with the reciprocal, and
+  1 / max|x| is subnormal (flushed to 0 on CPU) once max|x| > 8.5e37,
+  which made the norm of a 1e38 row 0. Scaling by a power of two is
+  exact, so the result is bit-identical to m = max |x| elsewhere.
   """
-  scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+  scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) * 0.125
   ratio = x / jnp.where(scale > 0, scale, 1.0)
   return (jnp.squeeze(scale, axis) *
           jnp.sqrt(jnp.sum(jnp.square(ratio), axis=axis)))
+
+
+def clip_factors(flat: jax.Array, tau: jax.Array) -> jax.Array:
+  """float32[C]: min(1, tau / ||row||) per row of float[C, D] (1 for a zero
+  row; 0 for a row whose norm overflows to inf)."""
+  norms = safe_norm(flat, axis=1)
+  return jnp.where(norms > tau, tau / jnp.where(norms > 0, norms, 1.0), 1.0)
 
 
 def unit_rows(flat: jax.Array) -> jax.Array:

@@ -58,8 +58,8 @@ import numpy as np
 from fedrobust.aggregators.base import Aggregator, stateless_init
 from fedrobust.aggregators.clustered import (clean_rows, cosine_distances,
                                              weighted_update)
-from fedrobust.aggregators.finetune import (check_server_data, masked_median,
-                                            safe_norm)
+from fedrobust.aggregators.finetune import (check_server_data, clip_factors,
+                                            masked_median, safe_norm)
 from fedrobust.aggregators.hdbscan import hdbscan
 from fedrobust.aggregators.mean import check_int, setting
 
@@ -235,8 +235,7 @@ def deepsight(*, num_byzantine: int = 0, apply_fn=None,
     accepted = valid & (labels >= 0) & accept[jnp.maximum(labels, 0)]
     norms = safe_norm(x, axis=1)
     clip = masked_median(norms, valid)
-    scale = jnp.where(norms > clip, clip / jnp.where(norms > 0, norms, 1.0),
-                      1.0)
+    scale = clip_factors(x, clip)
     k = jnp.maximum(jnp.sum(accepted), 1).astype(jnp.float32)
     weights = jnp.where(accepted, scale / k, 0.0).astype(jnp.float32)
     info = {'weights': weights,
