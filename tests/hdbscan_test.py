@@ -20,22 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedrobust.aggregators.hdbscan import hdbscan
+from tests.data.hdbscan_inputs import distances
 
 SLOTS = 32
 _HERE = os.path.dirname(__file__)
 with open(os.path.join(_HERE, 'data', 'hdbscan_golden.json')) as _f:
   GOLDEN = json.load(_f)
-
-
-def distances(case):
-  """As make_hdbscan_golden.distances (float64, rounded via float32)."""
-  if 'points' in case:
-    x = np.asarray(case['points'], np.float64)
-    d = np.sqrt(((x[:, None] - x[None]) ** 2).sum(-1))
-  else:
-    d = np.mean([(np.asarray(l)[:, None] != np.asarray(l)[None]).astype(
-        np.float64) for l in case['partitions']], axis=0)
-  return d.astype(np.float32)
 
 
 # One compile for every case: the settings are traced arguments.

@@ -20,6 +20,7 @@ import os
 
 import hdbscan
 import hdbscan.hdbscan_ as hdbscan_module
+from hdbscan_inputs import distances
 import numpy as np
 
 
@@ -44,19 +45,6 @@ def labels(d, mcs, ms, single, stable):
     hdbscan_module.np = saved
 
 
-def distances(case):
-  """float64[n, n], as tests/hdbscan_test.py computes it: Euclidean
-  distances of `points`, or the mean of the 0/1 different-label matrices
-  of `partitions` (DeepSight's ensemble), rounded through float32."""
-  if 'points' in case:
-    x = np.asarray(case['points'], np.float64)
-    d = np.sqrt(((x[:, None] - x[None]) ** 2).sum(-1))
-  else:
-    d = np.mean([(np.asarray(l)[:, None] != np.asarray(l)[None]).astype(
-        np.float64) for l in case['partitions']], axis=0)
-  return d.astype(np.float32).astype(np.float64)
-
-
 def main():
   rng = np.random.default_rng(2026)
   cases = []
@@ -74,7 +62,7 @@ def main():
       x = (centres[rng.integers(0, k, n)] +
            rng.normal(size=(n, 4)) * rng.uniform(0.2, 1.5, (n, 1)))
       case['points'] = np.round(x, 4).tolist()
-    d = distances(case)
+    d = distances(case).astype(np.float64)    # what the test feeds
     cases.append(dict(case, min_cluster_size=mcs, min_samples=ms,
                       allow_single_cluster=single,
                       labels=labels(d, mcs, ms, single, True),
