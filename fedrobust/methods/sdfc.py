@@ -54,7 +54,8 @@ from fedrobust.local import (LocalConfig, classification_loss, local_sgd,
                              poisoned_batch)
 from fedrobust.methods.base import (MethodSpec, check_cohorts,
                                     eval_models_of, extras_of, server_step)
-from fedrobust.methods.fisher import (FISHER_MODES, IMPORTANCES,
+from fedrobust.methods.fisher import (FISHER_IMPLS, FISHER_MODES,
+                                      IMPORTANCES,
                                       fisher_diagonal)
 from fedrobust.settings import Setting
 from fedrobust.tree import gather_clients, scatter_clients, tree_sub
@@ -83,7 +84,8 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
          lam: float = 5.0, components: str = 'both',
          importance: str = 'fisher', stiffness: str = 'diff',
          fisher_mode: str = 'per_example', first_round: str = 'none',
-         weighting: str = 'sigmoid', diagnostics: bool = False) -> Method:
+         weighting: str = 'sigmoid', diagnostics: bool = False,
+         fisher_impl: str = 'factored') -> Method:
   """Builds SDFC. server_data must be the batched validation set U:
   (x uint8[T, B, ...], y int32[T, B], mask bool[T, B]).
 
@@ -106,6 +108,9 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     weighting: FDAgg's 'sigmoid' or 'softmax'; passed to the fdagg rule by
       the experiment runner (MethodSpec.aggregator_defaults).
     diagnostics: also report T at the incoming global model.
+    fisher_impl: 'factored' (one backward pass per batch, per-layer
+      products; methods/fisher.py) or 'vmap' (per-example gradients); the
+      same math, summed in another order.
 
   Returns:
     A Method.
@@ -117,6 +122,7 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
   check_choice('stiffness', stiffness, STIFFNESS, component=component)
   check_choice('importance', importance, IMPORTANCES, component=component)
   check_choice('fisher_mode', fisher_mode, FISHER_MODES, component=component)
+  check_choice('fisher_impl', fisher_impl, FISHER_IMPLS, component=component)
   check_choice('first_round', first_round, FIRST_ROUNDS, component=component)
   check_choice('weighting', weighting, FDAGG_WEIGHTINGS, component=component)
   if not (lam >= 0 and jnp.isfinite(lam)):
@@ -152,7 +158,8 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     rows = jnp.arange(p * b, dtype=jnp.int32).reshape(p, b)
     xs, ys = jax.vmap(lambda r: poisoned_batch(data, r, poison))(rows)
     fisher = lambda x, y, m: fisher_diagonal(
-        model.apply, w, x, y, m, importance=importance, mode=fisher_mode)
+        model.apply, w, x, y, m, importance=importance, mode=fisher_mode,
+        impl=fisher_impl, probe_fn=model.probe)
     if stiffness == 'validation':
       return fisher(val_x, val_y, val_mask)
     m_local = fisher(xs, ys, rows < data.count)
@@ -274,6 +281,10 @@ SDFC = MethodSpec(
                 choices=FDAGG_WEIGHTINGS),
         Setting('diagnostics', False, 'Also report each client\'s T taken '
                 'at the incoming global model (two extra Fisher passes).'),
+        Setting('fisher_impl', 'factored', 'How per-example Fisher terms '
+                'are computed: factored (one backward pass, per-layer '
+                'products) or vmap (per-example gradients); same math.',
+                choices=FISHER_IMPLS),
     ),
     server_data=('validation',),
     default_aggregator=default_aggregator,

@@ -12,6 +12,7 @@ from fedrobust.errors import SettingError
 from fedrobust.models import vit, zoo
 from fedrobust.models.pipelines import PIPELINES, get_pipeline
 from fedrobust.models.layers import (COMPUTE_DTYPES, CONV_IMPLS,
+                                     PROBE_INPUTS, PROBE_OUTPUTS,
                                      default_compute_dtype, default_conv_impl)
 
 Params = Any
@@ -52,6 +53,13 @@ class Model(NamedTuple):
   width_units: per parameter leaf, per axis, the hidden units the axis
       indexes (0: not sliced); see models/zoo.py.
   lora_native: apply() honours `lora` factors (every zoo model does).
+  probe: None, or (params, x as stored) -> (logits_of, zeros, inputs):
+      logits_of(perturbations) gives the logits with each Dense / Conv
+      output shifted by its perturbation, `zeros` is that tree at zero
+      (module path -> {'out': float[N, ...]}), `inputs` each layer's
+      input (module path -> {'x': (float[N, ...],)}); eval mode. The
+      gradient of a loss with respect to the perturbations is every
+      layer's per-example output gradient (methods/fisher.py).
   """
   name: str
   init: Callable[[jax.Array], Params]
@@ -62,6 +70,7 @@ class Model(NamedTuple):
   width_units: Any = None
   lora_native: bool = False
   pipeline: str = 'native'
+  probe: Callable[..., Any] | None = None
 
 
 def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
@@ -115,11 +124,23 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
     rngs = {'dropout': key} if (train and key is not None) else None
     return module.apply(variables, x, train=train, rngs=rngs)
 
+  def probe(params: Params, x: jax.Array):
+    x = pipe.prepare(x, train=False, key=None)
+    _, probed = module.apply({'params': params}, x,
+                             mutable=[PROBE_INPUTS, PROBE_OUTPUTS])
+
+    def logits_of(perturbations):
+      return module.apply({'params': params, PROBE_OUTPUTS: perturbations},
+                          x)
+
+    zeros = jax.tree.map(jnp.zeros_like, probed[PROBE_OUTPUTS])
+    return logits_of, zeros, probed[PROBE_INPUTS]
+
   shapes = jax.eval_shape(init, jax.random.key(0))
   return Model(name, init, apply, tuple(input_shape), num_classes,
                roles=dict(module.roles()),
                width_units=module.width_units(shapes), lora_native=True,
-               pipeline=pipeline)
+               pipeline=pipeline, probe=probe)
 
 
 def _text_model(name: str, *, num_classes: int,

@@ -103,6 +103,16 @@ def lora_merged(module: nn.Module, kernel: jax.Array) -> jax.Array:
   return kernel + (a @ b).reshape(kernel.shape).astype(kernel.dtype)
 
 
+# Probes for per-example statistics (methods/fisher.py's factored Fisher).
+# Each Dense and Conv sows its input into PROBE_INPUTS and adds a zero
+# perturbation from PROBE_OUTPUTS to its output; the gradient with respect
+# to that perturbation is the layer's per-example output gradient. Both
+# are no-ops (nothing traced) unless the collections are passed or
+# mutable, so ordinary applies compile to the same program.
+PROBE_INPUTS = 'probe_inputs'
+PROBE_OUTPUTS = 'probe_outputs'
+
+
 class Dense(nn.Module):
   """flax.linen.Dense's parameters (names, shapes, init) on `matmul`."""
   features: int
@@ -126,15 +136,17 @@ class Dense(nn.Module):
         gate = jax.nn.softmax(matmul(x, route), axis=-1)
         low = gate[..., 1:] * low + gate[..., :1] * matmul(matmul(x, a0), b0)
       out = out + low
+    self.sow(PROBE_INPUTS, 'x', x)
     if not self.use_bias:
-      return out
+      return self.perturb('out', out, collection=PROBE_OUTPUTS)
     bias = self.param('bias', nn.initializers.zeros, (self.features,))
     if self.dtype is not None:
       bias = bias.astype(self.dtype)
-    return out + bias.reshape((1,) * (out.ndim - 1) + (-1,))
+    out = out + bias.reshape((1,) * (out.ndim - 1) + (-1,))
+    return self.perturb('out', out, collection=PROBE_OUTPUTS)
 
 
-def _same_padding(x: jax.Array, kh: int, kw: int) -> jax.Array:
+def same_padding(x: jax.Array, kh: int, kw: int) -> jax.Array:
   ph, pw = kh - 1, kw - 1
   return jnp.pad(x, ((0, 0), (ph // 2, ph - ph // 2), (pw // 2, pw - pw // 2),
                      (0, 0)))
@@ -234,7 +246,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, padding: str,
   if impl != 'im2col':
     raise ValueError(f'conv impl must be one of {CONV_IMPLS}, got {impl!r}')
   if padding == 'SAME':
-    x = _same_padding(x, kh, kw)
+    x = same_padding(x, kh, kw)
   elif padding != 'VALID':
     raise ValueError(f'padding must be VALID or SAME, got {padding!r}')
   if cin <= SHIFT_ADD_MAX_CIN:
@@ -264,8 +276,10 @@ class Conv(nn.Module):
     bias = self.param('bias', nn.initializers.zeros, (self.features,))
     if self.dtype is not None:
       x, kernel, bias = (a.astype(self.dtype) for a in (x, kernel, bias))
+    self.sow(PROBE_INPUTS, 'x', x)
     out = conv2d(x, kernel, padding=self.padding, impl=self.impl)
-    return out + bias.reshape((1,) * (out.ndim - 1) + (-1,))
+    out = out + bias.reshape((1,) * (out.ndim - 1) + (-1,))
+    return self.perturb('out', out, collection=PROBE_OUTPUTS)
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
