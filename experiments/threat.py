@@ -242,7 +242,7 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
     agg_kwargs.setdefault('apply_fn', cohorts[0].model.apply)
     if name == 'deepsight':
       agg_kwargs.setdefault('input_shape', cohorts[0].model.input_shape)
-  if name in ('foolsgold', 'foolsgold_ids', 'auror', 'deepsight', 'flare'):
+  if name in aggregators.HEAD_RULES:
     # Their features are the output layer's (the model's head).
     head = (cohorts[0].model.roles or {}).get('head') if cohorts else None
     agg_kwargs.setdefault('output_path', head)

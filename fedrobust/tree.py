@@ -10,6 +10,13 @@ import jax.numpy as jnp
 PyTree = Any
 
 
+def leaf_names(tree: PyTree) -> list[str]:
+  """'/'-joined key path of every leaf, in jax.tree.leaves order."""
+  return ['/'.join(str(getattr(k, 'key', getattr(k, 'name', k)))
+                   for k in path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def ravel_clients(tree: PyTree) -> jax.Array:
   """Flattens a stacked tree with leaves [C, ...] to float[C, D]."""
   leaves = jax.tree.leaves(tree)

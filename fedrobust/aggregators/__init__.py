@@ -147,6 +147,9 @@ SERVER_DATA_RULES = ('fltrust', 'sageflow', 'finetune', 'flare')
 # model's apply: one cohort and the identity transform (factory args
 # apply_fn, output_path; deepsight also input_shape).
 MODEL_EVAL_RULES = ('deepsight', 'flare')
+# Rules that read the output layer (factory arg output_path, the model's
+# head).
+HEAD_RULES = ('foolsgold', 'foolsgold_ids', 'auror', 'deepsight', 'flare')
 # Rules that read the full global model's values (server lr 1): they need
 # one cohort and the identity transform.
 GLOBAL_MODEL_RULES = ('fltrust', 'crfl', 'sageflow', 'finetune')

@@ -54,6 +54,12 @@ def cosine_distances(x: jax.Array) -> jax.Array:
   return 1.0 - jnp.matmul(unit, unit.T, precision='highest')
 
 
+def euclidean_distances(x: jax.Array) -> jax.Array:
+  """float32[C, C]: |x_i - x_j| from the differences (exact for small
+  feature vectors; krum.pairwise_sq_dists is the Gram form for updates)."""
+  return jnp.sqrt(jnp.sum(jnp.square(x[:, None] - x[None]), -1))
+
+
 def clean_rows(updates, mask):
   """(float32[C, D] rows with non-finite and masked ones zeroed, bool[C]
   the real finite clients)."""
@@ -273,7 +279,7 @@ def clipped_clustering(*, num_byzantine: int = 0, max_tau: float = 1e5,
     seen = jnp.minimum(count, history)
     tau = jnp.minimum(masked_median(buffer, jnp.arange(history) < seen),
                       max_tau)
-    scale = clip_factors(x, tau)
+    scale = clip_factors(norms, tau)
     clipped = x * scale[:, None]
     dist = cosine_distances(clipped)
     labels = linkage_two(dist, valid)
@@ -336,13 +342,13 @@ def signguard(*, num_byzantine: int = 0, lower_bound: float = 0.1,
                       axis=1)
     top = jnp.max(jnp.where(valid[:, None], feats, 0.0), axis=0)
     feats = feats / (top + 1e-8)[None, :]
-    dist = jnp.sqrt(jnp.sum(jnp.square(feats[:, None] - feats[None]), -1))
+    dist = euclidean_distances(feats)
     labels = dbscan_distances(dist, valid, eps=eps, min_samples=min_samples)
     sizes = jnp.sum((labels[None, :] == jnp.arange(c)[:, None]) &
                     (labels[None, :] >= 0), axis=1)
     by_sign = (labels == jnp.argmax(sizes)) & (jnp.max(sizes) > 0)
     keep = valid & by_norm & by_sign
-    clip = clip_factors(x, med)
+    clip = clip_factors(norms, med)
     total = jnp.sum(keep).astype(jnp.float32)
     weights = jnp.where(keep, 1.0 / jnp.maximum(total, 1.0), 0.0)
     info = {'weights': weights.astype(jnp.float32),
@@ -383,7 +389,7 @@ def flame(*, num_byzantine: int = 0, gamma: float = 1.2e-5) -> Aggregator:
     admitted = hdbscan_majority(dist, valid)
     norms = safe_norm(x, axis=1)
     clip = masked_median(norms, valid)
-    scale = clip_factors(x, clip)
+    scale = clip_factors(norms, clip)
     k = jnp.maximum(jnp.sum(admitted), 1).astype(jnp.float32)
     weights = jnp.where(admitted, scale / k, 0.0).astype(jnp.float32)
     update = weighted_update(updates, x, weights)

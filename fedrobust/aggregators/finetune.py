@@ -71,10 +71,9 @@ def safe_norm(x: jax.Array, axis: int = -1) -> jax.Array:
           jnp.sqrt(jnp.sum(jnp.square(ratio), axis=axis)))
 
 
-def clip_factors(flat: jax.Array, tau: jax.Array) -> jax.Array:
-  """float32[C]: min(1, tau / ||row||) per row of float[C, D] (1 for a zero
-  row; 0 for a row whose norm overflows to inf)."""
-  norms = safe_norm(flat, axis=1)
+def clip_factors(norms: jax.Array, tau: jax.Array) -> jax.Array:
+  """float32[C]: min(1, tau / norm) per row norm (`safe_norm` of the rows:
+  1 for a zero row, 0 for a row whose norm overflows to inf)."""
   return jnp.where(norms > tau, tau / jnp.where(norms > 0, norms, 1.0), 1.0)
 
 
@@ -83,6 +82,16 @@ def unit_rows(flat: jax.Array) -> jax.Array:
   norm = safe_norm(flat, axis=1)[:, None]
   ok = (norm > 0) & jnp.isfinite(norm)
   return jnp.where(ok, flat / jnp.where(ok, norm, 1.0), 0.0)
+
+
+def client_models(params: Params, updates: Params,
+                  valid: jax.Array) -> Params:
+  """Stacked models w + u_c (just w for the slots where valid is False,
+  so a NaN in an excluded update never reaches a model)."""
+  return jax.tree.map(
+      lambda p, u: p[None] + jnp.where(
+          valid.reshape((-1,) + (1,) * (u.ndim - 1)), u, 0).astype(p.dtype),
+      params, updates)
 
 
 def masked_median(x: jax.Array, keep: jax.Array) -> jax.Array:

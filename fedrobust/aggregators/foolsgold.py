@@ -57,7 +57,7 @@ from fedrobust.aggregators.mean import setting
 from fedrobust.aggregators.finetune import (finite_clients, first_client,
                                             ravel_one, select_rows,
                                             unit_rows)
-from fedrobust.tree import ravel_clients, unravel_like
+from fedrobust.tree import leaf_names, ravel_clients, unravel_like
 
 
 Params = Any
@@ -107,16 +107,15 @@ def feature_index(tree: Params, output_path: str | None) -> np.ndarray | None:
   its bias (a LoRA tree: the module's factors). None: the module of the
   last 'kernel' leaf. Returns None when no such leaf exists (then every
   coordinate is a feature)."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  names = ['/'.join(str(getattr(k, 'key', getattr(k, 'name', k)))
-                    for k in path) for path, _ in flat]
+  leaves = jax.tree.leaves(tree)
+  names = leaf_names(tree)
   if output_path is None:
     kernels = [n for n in names if n.rsplit('/', 1)[-1] == 'kernel']
     if not kernels:
       return None
     output_path = kernels[-1].rsplit('/', 1)[0]
   out, offset = [], 0
-  for name, (_, leaf) in zip(names, flat):
+  for name, leaf in zip(names, leaves):
     size = int(np.prod(leaf.shape))
     module, _, last = name.rpartition('/')
     if module == output_path and last != 'bias':

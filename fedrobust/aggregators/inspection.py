@@ -57,11 +57,14 @@ import numpy as np
 
 from fedrobust.aggregators.base import Aggregator, stateless_init
 from fedrobust.aggregators.clustered import (clean_rows, cosine_distances,
+                                             euclidean_distances,
                                              weighted_update)
 from fedrobust.aggregators.finetune import (check_server_data, clip_factors,
-                                            masked_median, safe_norm)
+                                            client_models, masked_median,
+                                            safe_norm)
 from fedrobust.aggregators.hdbscan import hdbscan
 from fedrobust.aggregators.mean import check_int, setting
+from fedrobust.tree import leaf_names
 
 Params = Any
 _WEIGHT_NAMES = ('kernel', 'w')
@@ -72,9 +75,8 @@ DDIF_OUTPUTS = ('probabilities', 'raw')
 def head_leaves(tree: Params, output_path: str | None,
                 rule: str) -> tuple[int, int]:
   """(weight, bias) positions among jax.tree.leaves(tree) of the head."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  names = ['/'.join(str(getattr(k, 'key', getattr(k, 'name', k)))
-                    for k in path) for path, _ in flat]
+  leaves = jax.tree.leaves(tree)
+  names = leaf_names(tree)
   if output_path is None:
     kernels = [n for n in names if n.rsplit('/', 1)[-1] == 'kernel']
     output_path = kernels[-1].rpartition('/')[0] if kernels else ''
@@ -82,22 +84,14 @@ def head_leaves(tree: Params, output_path: str | None,
   for i, name in enumerate(names):
     module, _, last = name.rpartition('/')
     if module == output_path:
-      if last in _WEIGHT_NAMES and flat[i][1].ndim == 2:
+      if last in _WEIGHT_NAMES and leaves[i].ndim == 2:
         found['weight'] = i
-      elif last in _BIAS_NAMES and flat[i][1].ndim == 1:
+      elif last in _BIAS_NAMES and leaves[i].ndim == 1:
         found['bias'] = i
   if set(found) != {'weight', 'bias'}:
     raise setting(rule, 'output_path', f'{output_path!r} names no module '
                   f'with a 2-D weight and a bias; leaves: {names}')
   return found['weight'], found['bias']
-
-
-def _models(params, updates, valid):
-  """Stacked models w + u_c (w for the slots that take no part)."""
-  return jax.tree.map(
-      lambda p, u: p[None] + jnp.where(
-          valid.reshape((-1,) + (1,) * (u.ndim - 1)), u, 0).astype(p.dtype),
-      params, updates)
 
 
 # --------------------------------------------------------------------------
@@ -127,11 +121,6 @@ def neups(dw: jax.Array, db: jax.Array,
   te = jnp.sum(neup > factor * jnp.max(neup, axis=1, keepdims=True),
                axis=1).astype(jnp.float32)
   return neup, te
-
-
-def _euclidean(x: jax.Array) -> jax.Array:
-  diff = x[:, None, :] - x[None, :, :]
-  return jnp.sqrt(jnp.sum(jnp.square(diff), axis=-1))
 
 
 def deepsight(*, num_byzantine: int = 0, apply_fn=None,
@@ -215,13 +204,13 @@ def deepsight(*, num_byzantine: int = 0, apply_fn=None,
     neup, te = neups(dw, db, threshold_factor)
     suspicious = te <= masked_median(te, valid) / 2
 
-    models = _models(params, updates, valid)
+    models = client_models(params, updates, valid)
     ddif = ddifs(params, models)                              # [S, C, P]
     ddif = jnp.where(jnp.isfinite(ddif), ddif, 0.0)
     cos_labels = cluster(cosine_distances(db), valid)
-    neup_labels = cluster(_euclidean(neup), valid)
+    neup_labels = cluster(euclidean_distances(neup), valid)
     ddif_dist = jnp.mean(jnp.stack([
-        _same_cluster_distance(cluster(_euclidean(ddif[s]), valid))
+        _same_cluster_distance(cluster(euclidean_distances(ddif[s]), valid))
         for s in range(num_seeds)]), axis=0)
     merged = jnp.mean(jnp.stack([ddif_dist,
                                  _same_cluster_distance(neup_labels),
@@ -235,7 +224,7 @@ def deepsight(*, num_byzantine: int = 0, apply_fn=None,
     accepted = valid & (labels >= 0) & accept[jnp.maximum(labels, 0)]
     norms = safe_norm(x, axis=1)
     clip = masked_median(norms, valid)
-    scale = clip_factors(x, clip)
+    scale = clip_factors(norms, clip)
     k = jnp.maximum(jnp.sum(accepted), 1).astype(jnp.float32)
     weights = jnp.where(accepted, scale / k, 0.0).astype(jnp.float32)
     info = {'weights': weights,
@@ -335,7 +324,7 @@ def flare(*, num_byzantine: int = 0, server_data=None, apply_fn=None,
     del key
     x, valid = clean_rows(updates, mask)
     c = x.shape[0]
-    plr = plrs(params, _models(params, updates, valid))
+    plr = plrs(params, client_models(params, updates, valid))
     plr = jnp.where(valid[:, None, None] & jnp.isfinite(plr), plr, 0.0)
     mmd = mmd_matrix(plr, gamma)
     n = jnp.sum(valid)

@@ -48,7 +48,8 @@ import optax
 
 from fedrobust.aggregators.base import Aggregator
 from fedrobust.aggregators.finetune import (ApplyFn, check_server_data,
-                                            finite_clients, select_rows)
+                                            client_models, finite_clients,
+                                            select_rows)
 from fedrobust.tree import ravel_clients, tree_add, unravel_like
 
 Params = Any
@@ -105,10 +106,7 @@ def sageflow(*, num_byzantine: int, server_data: Any, apply_fn: ApplyFn,
     params = state.params
     flat = ravel_clients(updates).astype(jnp.float32)
     valid = finite_clients(flat, mask)
-    clean = jax.tree.map(
-        lambda leaf: jnp.where(valid.reshape((-1,) + (1,) * (leaf.ndim - 1)),
-                               leaf, 0), updates)
-    models = jax.tree.map(lambda p, u: p[None] + u, params, clean)
+    models = client_models(params, updates, valid)
     entropy, loss = jax.vmap(evaluate)(models)
     ok = (valid & jnp.isfinite(entropy) & jnp.isfinite(loss) &
           (entropy <= entropy_threshold))

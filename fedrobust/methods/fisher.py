@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from fedrobust.errors import check_choice
 from fedrobust.models.layers import same_padding
+from fedrobust.tree import leaf_names
 
 Params = Any
 IMPORTANCES = ('fisher', 'abs_grad')
@@ -64,7 +65,7 @@ def _by_path(tree: Any, prefix: tuple[str, ...] = ()) -> dict:
   """Nested dicts -> {module path tuple: {leaf name: leaf}}."""
   out = {}
   for name, value in tree.items():
-    if isinstance(value, dict) or hasattr(value, 'items'):
+    if hasattr(value, 'items'):
       out.update(_by_path(value, prefix + (name,)))
     else:
       out.setdefault(prefix, {})[name] = value
@@ -77,11 +78,8 @@ def factored_plan(params: Params, probe_fn: Callable | None, x: jax.Array
   leaf is the kernel or bias of a probed layer called once."""
   if probe_fn is None:
     return False
-  try:
-    zeros, inputs = jax.eval_shape(lambda p, xb: probe_fn(p, xb)[1:],
-                                   params, x)
-  except Exception:  # pylint: disable=broad-except
-    return False
+  zeros, inputs = jax.eval_shape(lambda p, xb: probe_fn(p, xb)[1:],
+                                 params, x)
   layers = _by_path(params)
   probed_out, probed_in = _by_path(zeros), _by_path(inputs)
   for path, leaves in layers.items():
@@ -148,12 +146,11 @@ def factored_sums(probe_fn: Callable, params: Params, x: jax.Array,
         leaves['kernel'].shape, 'bias' in leaves,
         ins[path]['x'][0].astype(jnp.float32),
         deltas[path]['out'].astype(jnp.float32), stat)
-    stats[path + ('kernel',)] = kernel
+    stats['/'.join(path + ('kernel',))] = kernel
     if bias is not None:
-      stats[path + ('bias',)] = bias
-  return jax.tree_util.tree_map_with_path(
-      lambda key_path, _: stats[tuple(str(getattr(k, 'key', k))
-                                      for k in key_path)], params)
+      stats['/'.join(path + ('bias',))] = bias
+  return jax.tree.unflatten(jax.tree.structure(params),
+                            [stats[name] for name in leaf_names(params)])
 
 
 def log_likelihood(apply_fn: Callable, params: Params, x: jax.Array,
