@@ -13,6 +13,12 @@ sequential per-client loop; needs `pip install -e .[bench]`):
   python benchmarks/round_throughput.py --model=simple_cnn --clients=10 \
     --local_steps=20 --batch_size=64 --reference=torch --rounds=7
 
+Any registered method, from its quick preset (benchmarks/method_rounds.py),
+with the server step's share of the round; 'seeds' runs the six seed
+methods, 'all' every METHODS entry:
+
+  python benchmarks/round_throughput.py --method=sdfc --method_clients=10,100
+
 Rounds of the two alternate (jax, torch, jax, torch, ...) so both see the
 same machine load; the table gives each one's median and the ratio.
 --threads=N pins both to N cores: the process's CPU affinity (which sizes
@@ -78,6 +84,14 @@ flags.DEFINE_float('settle_seconds', 1.0, 'Pause after each timed round '
                    'idle worker threads still spin while the other runs.')
 flags.DEFINE_integer('cpu_devices', 0, 'XLA CPU devices the client axis is '
                      'sharded over (0: auto, up to one per pinned core).')
+flags.DEFINE_string('method', '', "Time this registered method's round "
+                    "and server step instead (a METHODS name, 'seeds' or "
+                    "'all'); --model/--local_steps/--reference do not "
+                    'apply.')
+flags.DEFINE_list('method_clients', ['10'], 'With --method: the clients per '
+                  'round C to time, each its own program.')
+flags.DEFINE_integer('examples_per_client', 48, 'With --method: real '
+                     'training examples per client (iid split).')
 flags.DEFINE_boolean('json', False, 'Print one JSON object per strategy.')
 FLAGS = flags.FLAGS
 
@@ -226,6 +240,38 @@ def side_by_side(strategy: str, *, rounds: int, **kwargs) -> dict:
               peak_rss_mb=peak_rss_mb())
 
 
+def run_methods(num_devices: int) -> None:
+  """--method: every named method at every --method_clients C."""
+  from benchmarks import method_rounds  # pylint: disable=g-import-not-at-top
+  from fedrobust.methods import METHODS  # pylint: disable=g-import-not-at-top
+  names = {'all': sorted(METHODS), 'seeds': method_rounds.SEED_METHODS}.get(
+      FLAGS.method, FLAGS.method.split(','))
+  for name in names:
+    if name not in METHODS:
+      raise app.UsageError(f'--method={name}: expected one of '
+                           f"{sorted(METHODS)}, 'seeds' or 'all'")
+  header = (f"{'method':<11} {'C':>5} {'samples/s':>10} {'round s':>8} "
+            f"{'server s':>9} {'share':>6} {'compile s':>9} {'MB':>7} "
+            f"{'server MB':>9}")
+  if not FLAGS.json:
+    print(header, flush=True)
+  for name in names:
+    for clients in map(int, FLAGS.method_clients):
+      r = method_rounds.time_method(
+          name, clients, examples_per_client=FLAGS.examples_per_client,
+          rounds=FLAGS.rounds, num_devices=num_devices)
+      r['peak_rss_mb'] = peak_rss_mb()
+      if FLAGS.json:
+        print(json.dumps(r), flush=True)
+        continue
+      mb = lambda v: f'{v:.0f}' if v is not None else '-'
+      print(f"{name:<11} {clients:>5} {r['samples_per_second']:>10,.0f} "
+            f"{r['round_seconds']:>8.3f} {r['server_seconds']:>9.4f} "
+            f"{r['server_share']:>6.1%} {r['compile_seconds']:>9.1f} "
+            f"{mb(r['program_mb']):>7} {mb(r['server_program_mb']):>9}",
+            flush=True)
+
+
 def main(argv):
   del argv
   if FLAGS.threads:
@@ -238,6 +284,9 @@ def main(argv):
   num_devices = configure_cpu_devices(FLAGS.cpu_devices, FLAGS.clients)
   if jax.default_backend() != 'cpu':
     num_devices = jax.local_device_count()
+  if FLAGS.method:
+    run_methods(num_devices)   # the client axis sharded, as main.py does
+    return
   if FLAGS.client_execution == 'all':
     strategies = STRATEGIES
   elif FLAGS.client_execution == 'auto':

@@ -336,3 +336,52 @@ def describe_error(err: SettingError, method: str) -> str:
     message = re.sub(rf'(?<![-\w]){re.escape(s)}=', f'--{s}=', message)
   where = f' ({err.component})' if err.component else ''
   return f'{flag}{where}: {message}'
+
+
+_TRUE, _FALSE = ('true', 't', '1', 'yes'), ('false', 'f', '0', 'no')
+
+
+def parse_value(name: str, text: str) -> Any:
+  """The value of `--name=text`, typed by the setting's default."""
+  setting = all_settings()[name]
+  default = setting.default
+  if setting.choices and text not in setting.choices:
+    raise ValueError(f'--{name}={text}: expected one of '
+                     f'{list(setting.choices)}')
+  if isinstance(default, bool):
+    if text.lower() not in _TRUE + _FALSE:
+      raise ValueError(f'--{name}={text}: expected true or false')
+    return text.lower() in _TRUE
+  if isinstance(default, int):
+    return int(text)
+  if isinstance(default, float):
+    return float(text)
+  return text
+
+
+def read_flagfile(path: str) -> dict[str, Any]:
+  """{setting: parsed value} of a flagfile (nested --flagfile expanded).
+
+  Lines are --name=value, --name or --noname (booleans), blank or # notes;
+  a name that is no setting is an error that names the file and line.
+  """
+  settings = all_settings()
+  values: dict[str, Any] = {}
+  with open(path) as f:
+    lines = [line.strip() for line in f]
+  for number, line in enumerate(lines, 1):
+    if not line or line.startswith('#'):
+      continue
+    name, has_value, text = line.lstrip('-').partition('=')
+    if name == 'flagfile':
+      values.update(read_flagfile(text))
+    elif name in settings and has_value:
+      values[name] = parse_value(name, text)
+    elif name in settings and isinstance(settings[name].default, bool):
+      values[name] = True
+    elif (name.startswith('no') and not has_value and name[2:] in settings
+          and isinstance(settings[name[2:]].default, bool)):
+      values[name[2:]] = False
+    else:
+      raise ValueError(f'{path}:{number}: unknown flag --{name}')
+  return values

@@ -65,35 +65,12 @@ class _QuietLibraries(py_logging.Filter):
         '/orbax/' not in record.pathname)
 
 
-def read_flagfile(path: str) -> dict[str, object]:
-  """{flag: parsed value} of a flagfile (nested --flagfile expanded)."""
-  values: dict[str, object] = {}
-  with open(path) as f:
-    lines = [line.strip() for line in f]
-  for number, line in enumerate(lines, 1):
-    if not line or line.startswith('#'):
-      continue
-    name, _, text = line.lstrip('-').partition('=')
-    known = name in FLAGS or (name.startswith('no') and name[2:] in FLAGS)
-    if name != 'flagfile' and not known:
-      raise app.UsageError(f'{path}:{number}: unknown flag --{name}')
-    if name == 'flagfile':
-      values.update(read_flagfile(text))
-    elif name in FLAGS and not _:
-      values[name] = True
-    elif name.startswith('no') and name[2:] in FLAGS and not _:
-      values[name[2:]] = False
-    elif name in FLAGS:
-      values[name] = FLAGS[name].parser.parse(text)
-  return values
-
-
 def build_config() -> dict[str, object]:
   """The run config from the parsed flags (plus a bare method's preset)."""
   config = {name: FLAGS[name].value for name in config_lib.all_settings()}
   preset = BARE_METHOD_PRESETS.get(FLAGS.method)
   if preset:
-    for name, value in read_flagfile(os.path.join(CONFIGS, preset)).items():
+    for name, value in config_lib.read_flagfile(os.path.join(CONFIGS, preset)).items():
       if not FLAGS[name].present:
         config[name] = value
   return config

@@ -956,6 +956,13 @@ def _pretrain_cohort(config: dict[str, Any], program: Program,
                   'public_examples': int(len(setup.public_y))}
 
 
+def initial_params(cohorts: tuple[Cohort, ...], seed: int) -> tuple:
+  """Each cohort's freshly initialised full params (cohort j folds in j)."""
+  key = jax.random.key(seed)
+  return tuple(c.model.init(key if j == 0 else jax.random.fold_in(key, j))
+               for j, c in enumerate(cohorts))
+
+
 def _run_locked(config: dict[str, Any], program: Program,
                 started: float) -> dict[str, Any]:
   setup, cohorts, method = program.setup, program.cohorts, program.method
@@ -985,10 +992,7 @@ def _run_locked(config: dict[str, Any], program: Program,
                                skip_nonfinite=on_divergence == 'skip_round',
                                log_clients=config['log_clients'])
 
-  init_key = jax.random.key(config['seed'])
-  fresh = tuple(c.model.init(init_key if j == 0 else
-                             jax.random.fold_in(init_key, j))
-                for j, c in enumerate(cohorts))
+  fresh = initial_params(cohorts, config['seed'])
 
   def initial_state(params):
     return init_server_state(method, params, config['num_clients'],

@@ -36,7 +36,8 @@ class SettingsTest(absltest.TestCase):
                      {'lam': 1.0, 'components': 'both',
                       'importance': 'fisher', 'stiffness': 'diff',
                       'fisher_mode': 'released', 'first_round': 'none',
-                      'weighting': 'sigmoid', 'diagnostics': False})
+                      'weighting': 'sigmoid', 'diagnostics': False,
+                      'fisher_impl': 'factored'})
 
   def test_foreign_setting_is_refused(self):
     config = dict(config_lib.defaults(), method='fedavg', sdfc_lambda=1.0)

@@ -5,6 +5,7 @@ import os
 
 from absl.testing import absltest
 
+from experiments import config as config_lib
 from experiments import main
 
 
@@ -15,13 +16,13 @@ class PresetTest(absltest.TestCase):
                    if f.endswith('.flags'))
     self.assertGreater(len(names), 5)
     for name in names:
-      values = main.read_flagfile(os.path.join(main.CONFIGS, name))
+      values = config_lib.read_flagfile(os.path.join(main.CONFIGS, name))
       self.assertIn('method', values, name)
       self.assertIn(values['method'], main.FLAGS['method'].parser.enum_values, name)
 
   def test_bare_method_presets_are_that_method(self):
     for method, preset in main.BARE_METHOD_PRESETS.items():
-      values = main.read_flagfile(os.path.join(main.CONFIGS, preset))
+      values = config_lib.read_flagfile(os.path.join(main.CONFIGS, preset))
       self.assertEqual(values['method'], method)
 
   def test_unknown_flag_is_named(self):
@@ -30,7 +31,7 @@ class PresetTest(absltest.TestCase):
       f.write('--method=fedavg\n# comment\n--num_clientz=3\n')
     with self.assertRaisesRegex(Exception, r'x.flags:3: unknown flag '
                                 r'--num_clientz'):
-      main.read_flagfile(path)
+      config_lib.read_flagfile(path)
 
 
 if __name__ == '__main__':

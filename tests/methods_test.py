@@ -8,7 +8,9 @@ chex.assert_max_traces(n=1), shared by its tests:
   * no retrace across rounds;
   * exact resume: a checkpoint after round 1, restored and continued, is
     bitwise the uninterrupted 2-round state.
-Variants run FedAvg with client delays (the in-flight buffer must survive
+Every method's round, sharded over 4 (host-platform) devices with one
+client each, must give the single-device round's state. Variants run
+FedAvg with client delays (the in-flight buffer must survive
 the checkpoint), with clients trained on arrival from the stored model of
 their start round (the model ring must survive it) and with
 heterogeneous-rank LoRA (coverage masks).
@@ -76,13 +78,16 @@ def case(name, variant):
                                  v.y[0].reshape(2, 4), jnp.ones((2, 4), bool))
   if 'anchors' in METHODS[name].server_data:
     server_data['anchors'] = toy_data([6], 6, seed=11).x[0]
+  sharded = variant == 'sharded'
   config = engine.RoundConfig(
       num_clients=K, clients_per_round=K, strategy='vmap',
+      num_devices=4 if sharded else 1,
       delay=engine.DelayModel('uniform', 1.0, 2)
       if variant in ('delay', 'lazy') else None,
       max_arrivals=K if variant == 'lazy' else 0,
       train_on_arrival=variant == 'lazy')
-  round_step = engine.make_round_step(method, config)
+  mesh = engine.client_mesh(4) if sharded else None
+  round_step = engine.make_round_step(method, config, mesh=mesh)
 
   def step(state, data, server_data):
     return round_step(state, data, server_data)
@@ -94,6 +99,10 @@ def case(name, variant):
   state = engine.init_server_state(method, model.init(jax.random.key(0)), K,
                                    seed=1, config=config, data=data,
                                    server_data=server_data)
+  if sharded:   # replicated in, as experiments/train.py puts them
+    data, state, server_data = jax.device_put(
+        (data, state, server_data),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   return method, step, state, data, server_data
 
 
@@ -157,6 +166,21 @@ class MethodConformanceTest(parameterized.TestCase):
         jax.random.key(5), server_data)
     chex.assert_trees_all_close(got[0], ref[0], rtol=1e-6, atol=1e-7)
     chex.assert_trees_all_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
+
+  @parameterized.parameters(*sorted(METHODS))
+  def test_sharded_round_matches_single_device(self, name):
+    if jax.device_count() < 4:
+      self.skipTest('needs 4 devices (XLA_FLAGS=--xla_force_host_platform_'
+                    'device_count=4, set by conftest.py)')
+    single, single_metrics = run_rounds(name, 'plain', 2)
+    sharded, sharded_metrics = run_rounds(name, 'sharded', 2)
+    chex.assert_trees_all_close(sharded.params, single.params, rtol=1e-5,
+                                atol=1e-6)
+    chex.assert_trees_all_close(sharded.method_state, single.method_state,
+                                rtol=1e-5, atol=1e-6)
+    for key in ('examples', 'clients_trained'):
+      self.assertEqual(float(sharded_metrics[key]),
+                       float(single_metrics[key]), key)
 
   @parameterized.parameters(*CASES)
   def test_no_retrace_across_rounds(self, name, variant):
