@@ -30,7 +30,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from experiments import config as config_lib
 from experiments import train
 from fedrobust.engine import round as round_lib
-from fedrobust.methods import METHODS
 from fedrobust.types import Arrivals
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(
