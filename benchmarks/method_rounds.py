@@ -119,7 +119,7 @@ def synthetic_arrivals(method, config, state, data, server_data, key):
   return tuple(out)
 
 
-def _memory_mb(compiled) -> float | None:
+def program_memory_mb(compiled) -> float | None:
   """XLA's own estimate of a program's footprint: arguments, outputs and
   temporaries, less what donation aliases."""
   try:
@@ -209,8 +209,8 @@ def time_method(method: str, clients: int, *, examples_per_client: int,
       'server_share': server_seconds / round_seconds,
       'compile_seconds': compile_seconds,
       'server_compile_seconds': server_compile_seconds,
-      'program_mb': _memory_mb(compiled),
-      'server_program_mb': _memory_mb(server_compiled),
+      'program_mb': program_memory_mb(compiled),
+      'server_program_mb': program_memory_mb(server_compiled),
       'client_execution': program.resolved['client_execution'],
       'num_devices': program.resolved['num_devices'],
       'backend': jax.default_backend(),

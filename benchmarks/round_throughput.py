@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import method_rounds
 from experiments.devices import configure_cpu_devices
 from fedrobust import engine
 from fedrobust.aggregators import get_aggregator
@@ -183,6 +184,7 @@ def build_round(strategy: str, *, model_name: str, clients: int,
       'scan_unroll': scan_unroll, 'conv_impl': conv_impl,
       'aggregator': aggregator, 'compute_dtype': compute_dtype,
       'num_devices': num_devices, 'compile_seconds': compile_seconds,
+      'program_mb': method_rounds.program_memory_mb(compiled),
       'flops_per_round': cost['flops'] * clients * local_steps,
       'bytes_per_round': cost['bytes'] * clients * local_steps,
       'backend': jax.default_backend(),
@@ -242,7 +244,6 @@ def side_by_side(strategy: str, *, rounds: int, **kwargs) -> dict:
 
 def run_methods(num_devices: int) -> None:
   """--method: every named method at every --method_clients C."""
-  from benchmarks import method_rounds  # pylint: disable=g-import-not-at-top
   from fedrobust.methods import METHODS  # pylint: disable=g-import-not-at-top
   names = {'all': sorted(METHODS), 'seeds': method_rounds.SEED_METHODS}.get(
       FLAGS.method, FLAGS.method.split(','))

@@ -138,13 +138,20 @@ class MethodConformanceTest(parameterized.TestCase):
   def test_masked_arrivals_are_inert(self, name, variant):
     method, _, state, data, server_data = case(name, variant)
     ids = jnp.arange(3, dtype=jnp.int32)
-    client_state = method.client_state(state.method_state, 0, ids)
-    outs = [method.client_update(
-        0, method.broadcast(state, 0),
-        jax.tree.map(lambda leaf, i=i: leaf[i], client_state),
-        LocalData(data.x, data.y, ids[i], data.count[i]),
-        jax.random.key(i), server_data) for i in range(3)]
-    real = jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
+
+    # Jitted, so each case is one program, not hundreds of op-by-op ones
+    # (every XLA:CPU executable holds memory maps; see conftest.py).
+    @jax.jit
+    def three_clients(state, data, server_data):
+      client_state = method.client_state(state.method_state, 0, ids)
+      outs = [method.client_update(
+          0, method.broadcast(state, 0),
+          jax.tree.map(lambda leaf, i=i: leaf[i], client_state),
+          LocalData(data.x, data.y, ids[i], data.count[i]),
+          jax.random.key(i), server_data) for i in range(3)]
+      return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
+
+    real = three_clients(state, data, server_data)
 
     def garbage(leaf):   # two extra slots of NaN / Inf / 1e30
       fill = {0: jnp.nan, 1: jnp.inf}
@@ -157,10 +164,11 @@ class MethodConformanceTest(parameterized.TestCase):
     padded = jax.tree.map(garbage, real)
     arrive = lambda outputs, ids, mask: (Arrivals(
         ids, mask, outputs, jnp.zeros(mask.shape, jnp.int32)),)
-    ref = method.server_update(state, arrive(real, ids, jnp.ones(3, bool)),
-                               jax.random.key(5), server_data)
+    server_update = jax.jit(method.server_update)
+    ref = server_update(state, arrive(real, ids, jnp.ones(3, bool)),
+                        jax.random.key(5), server_data)
     # The masked slots carry a real client's id (0) and an unused one (3).
-    got = method.server_update(
+    got = server_update(
         state, arrive(padded, jnp.array([0, 1, 2, 0, 3], jnp.int32),
                       jnp.array([True, True, True, False, False])),
         jax.random.key(5), server_data)
