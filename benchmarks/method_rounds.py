@@ -2,8 +2,9 @@
 
 Used by `round_throughput.py --method=NAME`. A method runs from its quick
 preset (PRESETS; the others from the preset of their family), with the
-federation resized: C clients, all sampled every round, an iid split of
---examples_per_client real training examples each, one local epoch. The
+federation resized: C clients, all sampled every round, and an iid split
+of `total_examples` real training examples over them (a round trains on
+the same data whatever C is), one local epoch. The
 preset's threat (attack, detection) stays, so the round times what a run
 of that preset does.
 
@@ -62,7 +63,7 @@ def preset_of(method: str) -> str:
   return PRESETS[method]
 
 
-def method_config(method: str, clients: int, examples_per_client: int,
+def method_config(method: str, clients: int, total_examples: int,
                   *, preset: str | None = None, num_devices: int = 1,
                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
   """The run config the benchmark builds for `method` at C = clients."""
@@ -70,7 +71,7 @@ def method_config(method: str, clients: int, examples_per_client: int,
                                                  preset or preset_of(method)))
   values.update(
       method=method, num_clients=clients, clients_per_round=clients,
-      partition='iid', max_train_examples=clients * examples_per_client,
+      partition='iid', max_train_examples=total_examples,
       local_epochs=1, unseen_clients=0, pretrain_epochs=0,
       local_test_fraction=0.0, num_devices=num_devices, workdir='unused')
   values.update(extra or {})
@@ -142,12 +143,12 @@ def _median_seconds(fn, rounds: int) -> float:
   return statistics.median(times)
 
 
-def time_method(method: str, clients: int, *, examples_per_client: int,
+def time_method(method: str, clients: int, *, total_examples: int,
                 rounds: int, preset: str | None = None,
                 num_devices: int = 1,
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
   """Compiles and times one method's round and server step at C = clients."""
-  config = method_config(method, clients, examples_per_client, preset=preset,
+  config = method_config(method, clients, total_examples, preset=preset,
                          num_devices=num_devices, extra=extra)
   program = train.build(config)
   mesh = program.mesh

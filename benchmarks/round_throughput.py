@@ -91,8 +91,8 @@ flags.DEFINE_string('method', '', "Time this registered method's round "
                     'apply.')
 flags.DEFINE_list('method_clients', ['10'], 'With --method: the clients per '
                   'round C to time, each its own program.')
-flags.DEFINE_integer('examples_per_client', 48, 'With --method: real '
-                     'training examples per client (iid split).')
+flags.DEFINE_integer('total_examples', 20000, 'With --method: real '
+                     'training examples split iid over the C clients.')
 flags.DEFINE_boolean('json', False, 'Print one JSON object per strategy.')
 FLAGS = flags.FLAGS
 
@@ -259,7 +259,7 @@ def run_methods(num_devices: int) -> None:
   for name in names:
     for clients in map(int, FLAGS.method_clients):
       r = method_rounds.time_method(
-          name, clients, examples_per_client=FLAGS.examples_per_client,
+          name, clients, total_examples=FLAGS.total_examples,
           rounds=FLAGS.rounds, num_devices=num_devices)
       r['peak_rss_mb'] = peak_rss_mb()
       if FLAGS.json:
