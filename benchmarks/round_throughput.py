@@ -90,7 +90,11 @@ flags.DEFINE_string('method', '', "Time this registered method's round "
                     "'all'); --model/--local_steps/--reference do not "
                     'apply.')
 flags.DEFINE_list('method_clients', ['10'], 'With --method: the clients per '
-                  'round C to time, each its own program.')
+                  'round C to time, each its own program (0: the '
+                  "preset's own federation, unresized).")
+flags.DEFINE_string('preset', '', 'With --method: time every method from '
+                    'this experiments/configs flagfile instead of its own '
+                    '(e.g. SDFC and FedAvg on the same flags).')
 flags.DEFINE_integer('total_examples', 20000, 'With --method: real '
                      'training examples split iid over the C clients.')
 flags.DEFINE_boolean('json', False, 'Print one JSON object per strategy.')
@@ -260,13 +264,14 @@ def run_methods(num_devices: int) -> None:
     for clients in map(int, FLAGS.method_clients):
       r = method_rounds.time_method(
           name, clients, total_examples=FLAGS.total_examples,
-          rounds=FLAGS.rounds, num_devices=num_devices)
+          rounds=FLAGS.rounds, num_devices=num_devices,
+          preset=FLAGS.preset or None)
       r['peak_rss_mb'] = peak_rss_mb()
       if FLAGS.json:
         print(json.dumps(r), flush=True)
         continue
       mb = lambda v: f'{v:.0f}' if v is not None else '-'
-      print(f"{name:<11} {clients:>5} {r['samples_per_second']:>10,.0f} "
+      print(f"{name:<11} {r['clients']:>5} {r['samples_per_second']:>10,.0f} "
             f"{r['round_seconds']:>8.3f} {r['server_seconds']:>9.4f} "
             f"{r['server_share']:>6.1%} {r['compile_seconds']:>9.1f} "
             f"{mb(r['program_mb']):>7} {mb(r['server_program_mb']):>9}",
