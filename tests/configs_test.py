@@ -25,6 +25,22 @@ class PresetTest(absltest.TestCase):
       values = config_lib.read_flagfile(os.path.join(main.CONFIGS, preset))
       self.assertEqual(values['method'], method)
 
+  def test_every_method_has_a_benchmark_preset(self):
+    from benchmarks import method_rounds  # pylint: disable=g-import-not-at-top
+    from fedrobust.methods import METHODS  # pylint: disable=g-import-not-at-top
+    self.assertEqual(set(method_rounds.PRESETS), set(METHODS))
+    for method in METHODS:
+      config = method_rounds.method_config(method, 100, 20000)
+      self.assertEqual((config['method'], config['clients_per_round'],
+                        config['max_train_examples']), (method, 100, 20000))
+      own = method_rounds.method_config(method, 0, 20000)
+      preset = config_lib.read_flagfile(os.path.join(
+          main.CONFIGS, method_rounds.preset_of(method)))
+      self.assertEqual(own['num_clients'], preset.get(
+          'num_clients', config_lib.defaults()['num_clients']))
+    with self.assertRaisesRegex(ValueError, 'no benchmark preset'):
+      method_rounds.preset_of('nope')
+
   def test_unknown_flag_is_named(self):
     path = os.path.join(self.create_tempdir().full_path, 'x.flags')
     with open(path, 'w') as f:
