@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import method_rounds
+from experiments import config as config_lib
 from experiments.devices import configure_cpu_devices
 from fedrobust import engine
 from fedrobust.aggregators import get_aggregator
@@ -92,6 +93,9 @@ flags.DEFINE_string('method', '', "Time this registered method's round "
 flags.DEFINE_list('method_clients', ['10'], 'With --method: the clients per '
                   'round C to time, each its own program (0: the '
                   "preset's own federation, unresized).")
+flags.DEFINE_list('overrides', [], 'With --method: run settings that '
+                  'replace the preset\'s, as name=value (e.g. '
+                  'max_arrivals=10).')
 flags.DEFINE_string('preset', '', 'With --method: time every method from '
                     'this experiments/configs flagfile instead of its own '
                     '(e.g. SDFC and FedAvg on the same flags).')
@@ -255,6 +259,13 @@ def run_methods(num_devices: int) -> None:
     if name not in METHODS:
       raise app.UsageError(f'--method={name}: expected one of '
                            f"{sorted(METHODS)}, 'seeds' or 'all'")
+  overrides = {}
+  for item in FLAGS.overrides:
+    name, _, text = item.partition('=')
+    try:
+      overrides[name] = config_lib.parse_value(name, text)
+    except (KeyError, ValueError) as err:
+      raise app.UsageError(f'--overrides={item}: {err}') from err
   header = (f"{'method':<11} {'C':>5} {'samples/s':>10} {'round s':>8} "
             f"{'server s':>9} {'share':>6} {'compile s':>9} {'MB':>7} "
             f"{'server MB':>9}")
@@ -265,7 +276,7 @@ def run_methods(num_devices: int) -> None:
       r = method_rounds.time_method(
           name, clients, total_examples=FLAGS.total_examples,
           rounds=FLAGS.rounds, num_devices=num_devices,
-          preset=FLAGS.preset or None)
+          preset=FLAGS.preset or None, extra=overrides)
       r['peak_rss_mb'] = peak_rss_mb()
       if FLAGS.json:
         print(json.dumps(r), flush=True)
