@@ -76,9 +76,12 @@ def method_config(method: str, clients: int, total_examples: int,
   values.update(method=method, unseen_clients=0, pretrain_epochs=0,
                 num_devices=num_devices, workdir='unused')
   if clients:
+    # The public split (pretraining, anchors) keeps at most a tenth.
+    public = min(values.get('public_size', 0), total_examples // 10)
     values.update(num_clients=clients, clients_per_round=clients,
                   partition='iid', max_train_examples=total_examples,
-                  local_epochs=1, local_test_fraction=0.0)
+                  local_epochs=1, local_test_fraction=0.0,
+                  public_size=public)
   values.update(extra or {})
   return train.resolve(values)
 
