@@ -70,7 +70,8 @@ def build_config() -> dict[str, object]:
   config = {name: FLAGS[name].value for name in config_lib.all_settings()}
   preset = BARE_METHOD_PRESETS.get(FLAGS.method)
   if preset:
-    for name, value in config_lib.read_flagfile(os.path.join(CONFIGS, preset)).items():
+    values = config_lib.read_flagfile(os.path.join(CONFIGS, preset))
+    for name, value in values.items():
       if not FLAGS[name].present:
         config[name] = value
   return config
