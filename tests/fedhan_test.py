@@ -297,6 +297,50 @@ class RuleTest(absltest.TestCase):
     self.assertGreater(last['suspicion'][6], last['suspicion'][0])
     np.testing.assert_array_equal(np.asarray(state.cache.last)[6:], [4, 4])
 
+  def test_ban_after_k_flags_spares_a_one_off_outlier(self):
+    """With ban_after=2 a benign client flagged in one round misses that
+    round only; the attackers, flagged every round, are banned at their
+    second flag, and that round starts the recovery."""
+    n, d = 8, 6
+    rng = np.random.default_rng(2)
+    direction = rng.normal(size=d)
+    rounds = []
+    for round_ in range(4):
+      u = direction + 0.05 * rng.normal(size=(n, d))
+      u[6:] = -5.0 * direction
+      if round_ == 1:
+        u[0] = 6.0 * direction       # a benign outlier, once
+      rounds.append(jnp.asarray(u, jnp.float32))
+
+    def run(ban_after):
+      agg = get_aggregator('fedhan', num_clients=n, rollback=2,
+                           ban_after=ban_after)
+      step = jax.jit(lambda u, st: call_aggregator(
+          agg, {'w': u}, jnp.ones(n, bool), st, jax.random.key(0),
+          ids=jnp.arange(n, dtype=jnp.int32),
+          staleness=jnp.zeros(n, jnp.int32), coverage=None))
+      state = agg.init({'w': jnp.zeros((d,))})
+      infos = []
+      for u in rounds:
+        _, state, info = step(u, state)
+        infos.append(jax.tree.map(np.asarray, info))
+      return state, infos
+
+    state, infos = run(2)
+    self.assertTrue(infos[1]['flagged'][0], infos[1]['suspicion'])
+    self.assertEqual(infos[1]['weights'][0], 0.0)
+    np.testing.assert_array_equal(infos[1]['weights'][6:], [0.0, 0.0])
+    self.assertEqual(float(infos[1]['recovered']), 0.0)   # first flags
+    self.assertEqual(float(infos[2]['recovered']), 1.0)   # second flags
+    self.assertGreater(infos[3]['weights'][0], 0.0)      # back in
+    np.testing.assert_array_equal(np.flatnonzero(state.banned), [6, 7])
+    np.testing.assert_array_equal(np.asarray(state.strikes)[[0, 6, 7]],
+                                  [1, 3, 3])   # still scored once banned
+    state1, infos1 = run(1)      # banning at the first flag keeps it out
+    self.assertEqual(float(infos1[1]['recovered']), 1.0)
+    self.assertIn(0, np.flatnonzero(state1.banned))
+    self.assertEqual(infos1[3]['weights'][0], 0.0)
+
   def test_masked_and_banned_slots_change_nothing(self):
     agg = get_aggregator('fedhan', num_clients=4, detect=False)
     params = {'w': jnp.zeros((3,))}
@@ -428,7 +472,8 @@ class RecoveryTest(absltest.TestCase):
   def test_settings_are_checked(self):
     for kwargs, name in ((dict(rollback=4, history=5), 'history'),
                          (dict(cache_dtype='int8'), 'cache_dtype'),
-                         (dict(detect_start=0), 'detect_start')):
+                         (dict(detect_start=0), 'detect_start'),
+                         (dict(ban_after=0), 'ban_after')):
       with self.assertRaisesRegex(ValueError, name):
         get_aggregator('fedhan', num_clients=3, **kwargs)
 

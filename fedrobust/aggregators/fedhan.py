@@ -15,10 +15,10 @@ per round:
      whose model was sent after the first global update;
      DBSCAN on the scores (divided by their median), and if it finds
      several clusters or noise, 2-means; the higher-mean cluster is
-     flagged, excluded from this round and banned from then on (its cache
-     row never enters the history selection again; its later uploads are
-     still cached and scored, so they take part in the clustering, but
-     never in an aggregate);
+     flagged and excluded from this round; a client flagged in `ban_after`
+     rounds is banned from then on (its cache row never enters the history
+     selection again; its later uploads are still cached and scored, so
+     they take part in the clustering, but never in an aggregate);
   3. Eq. 5-6: the weighted imputed aggregate of the kept arrivals;
   4. Eq. 7-8: adds alpha times the aggregate of the cached updates of
      non-arriving clients (staleness <= tau_max) whose cosine with it is
@@ -99,6 +99,7 @@ class FedHANState(NamedTuple):
   history: jax.Array         # float32[H, D], update applied in round t at
                              # row t mod H
   banned: jax.Array          # bool[N], detected clients
+  strikes: jax.Array         # int32[N], rounds each client was flagged in
   round: jax.Array           # int32[], rounds aggregated so far
   record: RecoveryRecord | None  # recovery storage (None: no recovery;
                                  # zero-size arrays cannot be checkpointed)
@@ -154,7 +155,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
            tau_max: int = 10, eps: float = 0.5, min_samples: int = 2,
            detect: bool = True, detect_start: int = 1, history: int = 16,
            rollback: int = 0, recovery_slots: int = 16,
-           cache_dtype: str = 'float32') -> Aggregator:
+           cache_dtype: str = 'float32', ban_after: int = 1) -> Aggregator:
   """FedHAN's imputation, historical selection, detection and recovery.
 
   Args:
@@ -179,6 +180,12 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       'recovery_overflow').
     cache_dtype: 'float32' or 'bfloat16', the storage type of the cache
       and the recovery record (computation stays float32).
+    ban_after: k, the rounds a client must be flagged in before it is
+      banned (and a recovery starts). A flagged client is always left out
+      of that round's aggregate (the paper's "removed from the current
+      round"); 1 bans at the first flag. A client flagged at least once is
+      no longer a candidate of the historical selection (its cached row
+      may hold the flagged upload).
 
   Returns:
     Aggregator reading `ids`, `staleness` and `coverage`. info: 'weights'
@@ -205,7 +212,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                           ('recovery_slots', recovery_slots,
                            recovery_slots >= 1),
                           ('cache_dtype', cache_dtype,
-                           cache_dtype in CACHE_DTYPES)):
+                           cache_dtype in CACHE_DTYPES),
+                          ('ban_after', ban_after, ban_after >= 1)):
     if not ok:
       raise setting('fedhan', name, f'out of range: {value!r}')
   if rollback and history < rollback + 2:
@@ -220,6 +228,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     return FedHANState(fc.init_cache(num_clients, d, dtype),
                        jnp.zeros((history, d), jnp.float32),
                        jnp.zeros((num_clients,), bool),
+                       jnp.zeros((num_clients,), jnp.int32),
                        jnp.zeros((), jnp.int32),
                        _empty_record(m, recovery_slots, d, dtype) if m
                        else None, jnp.zeros((), jnp.int32))
@@ -300,13 +309,17 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     else:
       flagged, detected = jnp.zeros((c,), bool), jnp.bool_(False)
     keep = valid & ~flagged
-    new_banned = state.banned.at[jnp.where(flagged, ids, num_clients)].set(
-        True, mode='drop')
+    strikes = state.strikes.at[jnp.where(flagged, ids, num_clients)].add(
+        1, mode='drop')
+    new_banned = state.banned | (strikes >= ban_after)
+    # A client banned in this round (a recovery's trigger).
+    newly = valid & new_banned.at[ids].get(mode='fill', fill_value=False)
     gbar_rows, weight_rows, mask_rows = fc.arrival_rows(cache, ids, keep)
     estimate = fc.weighted(gbar_rows, weight_rows, mask_rows, keep, alpha)
     gtilde, selected, _ = fc.select_history(
         cache, ids, keep, estimate, round_=round_, sim_min=sim_min,
-        tau_max=tau_max, alpha=alpha, beta=beta, excluded=new_banned)
+        tau_max=tau_max, alpha=alpha, beta=beta,
+        excluded=new_banned | (strikes > 0))
     g = estimate + alpha * gtilde
     record, base = state.record, state.base
     hist = state.history
@@ -315,7 +328,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     replayed = jnp.int32(0)
     overflow = jnp.float32(0.0)
     if m:
-      recovered = jnp.any(flagged & valid)   # a newly detected client
+      recovered = jnp.any(newly)
 
       def recover():
         delta, n, hvp = replay(state, new_banned, round_)
@@ -352,7 +365,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       out = g
       hist = hist.at[jnp.mod(round_, history)].set(g)
     new_state = FedHANState(cache=cache, history=hist, banned=new_banned,
-                            round=round_, record=record, base=base)
+                            strikes=strikes, round=round_, record=record,
+                            base=base)
     n_keep = jnp.maximum(jnp.sum(keep.astype(jnp.float32)), 1.0)
     info = {'weights': jnp.where(keep, 1.0 / n_keep, 0.0).astype(jnp.float32),
             'suspicion': scores.astype(jnp.float32),

@@ -38,6 +38,9 @@ FEDHAN_SETTINGS = (
     Setting('min_samples', 2, "DBSCAN's core size (a point counts "
             'itself).'),
     Setting('detect', True, 'Detect and ban attackers (Sec. 3.5.3).'),
+    Setting('ban_after', 1, 'Rounds a client must be flagged in before it '
+            'is banned and a recovery starts (a flagged client always '
+            'misses that round; 1 bans at the first flag).'),
     Setting('detect_start', 1, 'First round whose arrivals may be flagged '
             "(the paper's detector setting: 50)."),
     Setting('rollback', 5, 'Recovery (Sec. 3.5.4): rounds rolled back and '
