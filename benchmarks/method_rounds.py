@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -151,11 +151,18 @@ def _median_seconds(fn, rounds: int) -> float:
   return statistics.median(times)
 
 
-def time_method(method: str, clients: int, *, total_examples: int,
-                rounds: int, preset: str | None = None,
-                num_devices: int = 1,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
-  """Compiles and times one method's round and server step at C = clients."""
+class Prepared(NamedTuple):
+  """One method's compiled round, ready to time."""
+  one_round: Callable[[], Any]     # runs a warm round, returns its metrics
+  one_server: Callable[[], float]  # seconds of one server step
+  report: Callable[[float, float], dict[str, Any]]  # (round s, server s)
+
+
+def prepare_method(method: str, clients: int, *, total_examples: int,
+                   preset: str | None = None, num_devices: int = 1,
+                   extra: dict[str, Any] | None = None) -> Prepared:
+  """Compiles one method's round and server step at C = clients and runs
+  a warm-up round; returns the timers and the report built from them."""
   config = method_config(method, clients, total_examples, preset=preset,
                          num_devices=num_devices, extra=extra)
   program = train.build(config)
@@ -185,14 +192,13 @@ def time_method(method: str, clients: int, *, total_examples: int,
   server_compiled = server.lower(state, arrivals, key, server_data).compile()
   server_compile_seconds = time.perf_counter() - t0
 
-  box = [state]
-  box[0], metrics = compiled(box[0], data, server_data)   # warm-up
+  box = [state, None]
+  box[0], box[1] = compiled(box[0], data, server_data)   # warm-up
   jax.block_until_ready(box[0])
-  trained = float(metrics['clients_trained'])
 
   def one_round():
-    box[0], m = compiled(box[0], data, server_data)
-    return m
+    box[0], box[1] = compiled(box[0], data, server_data)
+    return box[1]
 
   def one_server():
     # A fresh copy of the state (it is donated), made before the clock.
@@ -201,34 +207,75 @@ def time_method(method: str, clients: int, *, total_examples: int,
     jax.block_until_ready(server_compiled(state, arrivals, key, server_data))
     return time.perf_counter() - t0
 
-  round_seconds = _median_seconds(one_round, rounds)
-  one_server()                                            # warm-up
-  server_seconds = statistics.median(one_server() for _ in range(rounds))
-  # Real examples trained (padding steps not counted): every client is
-  # sampled, so the trained ones hold the mean count.
-  samples = (trained * float(np.mean(program.setup.train.count)) *
-             config['local_epochs'])
-  cohorts = '+'.join(c.name for c in program.cohorts)
-  return {
-      'method': method, 'clients': config['clients_per_round'],
-      'cohorts': cohorts,
-      'preset': preset or preset_of(method),
-      'aggregator': program.resolved['aggregator'],
-      'attack': config['attack'],
-      'examples_per_client': int(program.setup.train.count.max()),
-      'local_steps': program.local.num_steps,
-      'batch_size': config['batch_size'],
-      'clients_trained': trained,
-      'samples_per_second': samples / round_seconds,
-      'round_seconds': round_seconds,
-      'server_seconds': server_seconds,
-      'server_share': server_seconds / round_seconds,
-      'compile_seconds': compile_seconds,
-      'server_compile_seconds': server_compile_seconds,
-      'program_mb': program_memory_mb(compiled),
-      'server_program_mb': program_memory_mb(server_compiled),
-      'client_execution': program.resolved['client_execution'],
-      'num_devices': program.resolved['num_devices'],
-      'backend': jax.default_backend(),
-      'finite': float(metrics['nonfinite_model']) == 0.0,
-  }
+  def report(round_seconds: float, server_seconds: float) -> dict[str, Any]:
+    metrics = box[1]
+    trained = float(metrics['clients_trained'])
+    # Real examples trained (padding steps not counted): every client is
+    # sampled, so the trained ones hold the mean count.
+    samples = (trained * float(np.mean(program.setup.train.count)) *
+               config['local_epochs'])
+    cohorts = '+'.join(c.name for c in program.cohorts)
+    return {
+        'method': method, 'clients': config['clients_per_round'],
+        'cohorts': cohorts,
+        'preset': preset or preset_of(method),
+        'aggregator': program.resolved['aggregator'],
+        'attack': config['attack'],
+        'examples_per_client': int(program.setup.train.count.max()),
+        'local_steps': program.local.num_steps,
+        'batch_size': config['batch_size'],
+        'clients_trained': trained,
+        'samples_per_second': samples / round_seconds,
+        'round_seconds': round_seconds,
+        'server_seconds': server_seconds,
+        'server_share': server_seconds / round_seconds,
+        'compile_seconds': compile_seconds,
+        'server_compile_seconds': server_compile_seconds,
+        'program_mb': program_memory_mb(compiled),
+        'server_program_mb': program_memory_mb(server_compiled),
+        'client_execution': program.resolved['client_execution'],
+        'num_devices': program.resolved['num_devices'],
+        'backend': jax.default_backend(),
+        'finite': float(metrics['nonfinite_model']) == 0.0,
+    }
+
+  return Prepared(one_round, one_server, report)
+
+
+def time_method(method: str, clients: int, *, total_examples: int,
+                rounds: int, preset: str | None = None,
+                num_devices: int = 1,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Compiles and times one method's round and server step at C = clients."""
+  prepared = prepare_method(method, clients, total_examples=total_examples,
+                            preset=preset, num_devices=num_devices,
+                            extra=extra)
+  round_seconds = _median_seconds(prepared.one_round, rounds)
+  prepared.one_server()                                   # warm-up
+  server_seconds = statistics.median(prepared.one_server()
+                                     for _ in range(rounds))
+  return prepared.report(round_seconds, server_seconds)
+
+
+def time_interleaved(prepared: Sequence[Prepared], rounds: int
+                     ) -> list[dict[str, Any]]:
+  """Times compiled methods in turn, one round each per pass, so a slow
+  spell of a shared machine hits all of them alike. Each report adds
+  'ratio_to_first': the median over passes of its round time over the
+  first method's in the same pass."""
+  times = [[] for _ in prepared]
+  for _ in range(rounds):
+    for k, p in enumerate(prepared):
+      t0 = time.perf_counter()
+      jax.block_until_ready(p.one_round())
+      times[k].append(time.perf_counter() - t0)
+  reports = []
+  for k, p in enumerate(prepared):
+    p.one_server()                                        # warm-up
+    server_seconds = statistics.median(p.one_server() for _ in range(rounds))
+    r = p.report(statistics.median(times[k]), server_seconds)
+    r['ratio_to_first'] = statistics.median(
+        a / b for a, b in zip(times[k], times[0]))
+    r['interleaved_rounds'] = rounds
+    reports.append(r)
+  return reports

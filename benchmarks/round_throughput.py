@@ -96,6 +96,12 @@ flags.DEFINE_list('method_clients', ['10'], 'With --method: the clients per '
 flags.DEFINE_list('overrides', [], 'With --method: run settings that '
                   'replace the preset\'s, as name=value (e.g. '
                   'max_arrivals=10).')
+flags.DEFINE_bool('interleave', False, 'With --method: compile every '
+                  'named method first, then time their rounds in turn '
+                  '(one round each per pass) and report each round time '
+                  "over the first method's, the median of the passes "
+                  '(ratio_to_first): a ratio that a slow spell of a shared '
+                  'machine cannot skew.')
 flags.DEFINE_string('preset', '', 'With --method: time every method from '
                     'this experiments/configs flagfile instead of its own '
                     '(e.g. SDFC and FedAvg on the same flags).')
@@ -271,22 +277,33 @@ def run_methods(num_devices: int) -> None:
             f"{'server MB':>9}")
   if not FLAGS.json:
     print(header, flush=True)
-  for name in names:
-    for clients in map(int, FLAGS.method_clients):
-      r = method_rounds.time_method(
-          name, clients, total_examples=FLAGS.total_examples,
-          rounds=FLAGS.rounds, num_devices=num_devices,
-          preset=FLAGS.preset or None, extra=overrides)
-      r['peak_rss_mb'] = peak_rss_mb()
-      if FLAGS.json:
-        print(json.dumps(r), flush=True)
-        continue
-      mb = lambda v: f'{v:.0f}' if v is not None else '-'
-      print(f"{name:<11} {r['clients']:>5} {r['samples_per_second']:>10,.0f} "
-            f"{r['round_seconds']:>8.3f} {r['server_seconds']:>9.4f} "
-            f"{r['server_share']:>6.1%} {r['compile_seconds']:>9.1f} "
-            f"{mb(r['program_mb']):>7} {mb(r['server_program_mb']):>9}",
-            flush=True)
+  def show(r):
+    r['peak_rss_mb'] = peak_rss_mb()
+    if FLAGS.json:
+      print(json.dumps(r), flush=True)
+      return
+    mb = lambda v: f'{v:.0f}' if v is not None else '-'
+    ratio = (f"  x{r['ratio_to_first']:.3f}" if 'ratio_to_first' in r
+             else '')
+    print(f"{r['method']:<11} {r['clients']:>5} "
+          f"{r['samples_per_second']:>10,.0f} "
+          f"{r['round_seconds']:>8.3f} {r['server_seconds']:>9.4f} "
+          f"{r['server_share']:>6.1%} {r['compile_seconds']:>9.1f} "
+          f"{mb(r['program_mb']):>7} {mb(r['server_program_mb']):>9}{ratio}",
+          flush=True)
+
+  kwargs = dict(total_examples=FLAGS.total_examples, num_devices=num_devices,
+                preset=FLAGS.preset or None, extra=overrides)
+  for clients in map(int, FLAGS.method_clients):
+    if FLAGS.interleave:
+      prepared = [method_rounds.prepare_method(name, clients, **kwargs)
+                  for name in names]
+      for r in method_rounds.time_interleaved(prepared, FLAGS.rounds):
+        show(r)
+      continue
+    for name in names:
+      show(method_rounds.time_method(name, clients, rounds=FLAGS.rounds,
+                                     **kwargs))
 
 
 def main(argv):
