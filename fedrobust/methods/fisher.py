@@ -18,9 +18,9 @@ Per-example statistics, two implementations (`impl`, same math):
               per-example gradient. A conv layer's per-example kernel
               gradient sums patch x delta over positions BEFORE the
               square, so that identity does not hold there; its
-              per-example kernel gradients are formed explicitly, as one
-              convolution grouped by example (the FLOPs of one weight
-              gradient). Needs a model whose every
+              per-example kernel gradients are formed explicitly from the
+              input patches (an [N, kh kw Cin, Cout] batched matmul, the
+              FLOPs of one weight gradient). Needs a model whose every
               parameter belongs to a Dense or Conv called once per
               forward pass; otherwise it falls back to 'vmap'.
 
@@ -115,22 +115,14 @@ def _layer_stat(kernel_shape, has_bias, a, delta, stat):
     if delta.shape[1] == a.shape[1]:                   # SAME
       a = same_padding(a, kh, kw)
     ho, wo = delta.shape[1], delta.shape[2]
-    # Every example's kernel gradient (a VALID correlation of its input
-    # with its output gradient) as ONE grouped convolution: the examples
-    # are the feature groups, the input channels the batch, and each
-    # example's delta the kernel of its group. On CPU this beats forming
-    # the im2col patches and a batched [P, K] x [P, Cout] product per
-    # example by about a quarter (BUILD_NOTES §4b).
-    lhs = jnp.transpose(a, (3, 1, 2, 0))               # [Cin, H, W, N]
-    rhs = jnp.transpose(delta, (1, 2, 0, 3)).reshape(ho, wo, 1, n * cout)
-    per = jax.lax.conv_general_dilated(
-        lhs, rhs, (1, 1), 'VALID', feature_group_count=n,
-        dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
-        precision='highest')                           # [Cin, kh, kw, N Cout]
-    per = per.reshape(cin, kh, kw, n, cout)
-    kernel = jnp.transpose(jnp.sum(stat(per), axis=3), (1, 2, 0, 3))
-    bias = jnp.sum(stat(jnp.sum(delta.reshape(n, ho * wo, cout), axis=1)),
-                   axis=0)
+    # im2col by shifted slices, in the kernel's (kh, kw, Cin) order.
+    patches = jnp.stack([a[:, i:i + ho, j:j + wo, :]
+                         for i in range(kh) for j in range(kw)], axis=3)
+    p = patches.reshape(n, ho * wo, kh * kw * cin)
+    d = delta.reshape(n, ho * wo, cout)
+    per = jnp.einsum('npk,npo->nko', p, d, precision='highest')
+    kernel = jnp.sum(stat(per), axis=0).reshape(kh, kw, cin, cout)
+    bias = jnp.sum(stat(jnp.sum(d, axis=1)), axis=0)
   return kernel, (bias if has_bias else None)
 
 
