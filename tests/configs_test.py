@@ -41,6 +41,31 @@ class PresetTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, 'no benchmark preset'):
       method_rounds.preset_of('nope')
 
+  def test_interleaved_timing_takes_the_ratio_within_each_pass(self):
+    """A slow spell that starts mid-pass skews the ratio of the medians
+    (12 / 2 here); the median of the per-pass ratios stays 1.5."""
+    from unittest import mock  # pylint: disable=g-import-not-at-top
+    from benchmarks import method_rounds  # pylint: disable=g-import-not-at-top
+    clock = [0.0]
+    slow = iter([1, 1, 1, 4, 4, 4])   # per round run, in order
+
+    def method(cost):
+      def one_round():
+        clock[0] += cost * next(slow)
+        return clock[0]
+      report = lambda r, s: {'round_seconds': r, 'server_seconds': s}
+      return method_rounds.Prepared(one_round, lambda: 0.5, report)
+
+    with mock.patch.object(method_rounds.time, 'perf_counter',
+                           lambda: clock[0]):
+      a, b = method_rounds.time_interleaved([method(2.0), method(3.0)], 3)
+    # Round times a: 2, 2, 8 and b: 3, 12, 12.
+    self.assertEqual((a['round_seconds'], b['round_seconds']), (2.0, 12.0))
+    self.assertEqual(a['ratio_to_first'], 1.0)
+    self.assertEqual(b['ratio_to_first'], 1.5)
+    self.assertEqual(b['server_seconds'], 0.5)
+    self.assertEqual(b['interleaved_rounds'], 3)
+
   def test_unknown_flag_is_named(self):
     path = os.path.join(self.create_tempdir().full_path, 'x.flags')
     with open(path, 'w') as f:
