@@ -87,9 +87,10 @@ flags.DEFINE_float('settle_seconds', 1.0, 'Pause after each timed round '
 flags.DEFINE_integer('cpu_devices', 0, 'XLA CPU devices the client axis is '
                      'sharded over (0: auto, up to one per pinned core).')
 flags.DEFINE_string('method', '', "Time this registered method's round "
-                    "and server step instead (a METHODS name, 'seeds' or "
+                    "and server step instead (METHODS names, 'seeds' or "
                     "'all'); --model/--local_steps/--reference do not "
-                    'apply.')
+                    'apply. An entry NAME:setting=value:... carries its '
+                    'own settings (e.g. sdfc:sdfc_lambda=0).')
 flags.DEFINE_list('method_clients', ['10'], 'With --method: the clients per '
                   'round C to time, each its own program (0: the '
                   "preset's own federation, unresized).")
@@ -259,19 +260,30 @@ def side_by_side(strategy: str, *, rounds: int, **kwargs) -> dict:
 def run_methods(num_devices: int) -> None:
   """--method: every named method at every --method_clients C."""
   from fedrobust.methods import METHODS  # pylint: disable=g-import-not-at-top
-  names = {'all': sorted(METHODS), 'seeds': method_rounds.SEED_METHODS}.get(
-      FLAGS.method, FLAGS.method.split(','))
-  for name in names:
+  entries = {'all': sorted(METHODS),
+             'seeds': method_rounds.SEED_METHODS}.get(
+                 FLAGS.method, FLAGS.method.split(','))
+
+  def parse(items, flag):
+    out = {}
+    for item in items:
+      name, _, text = item.partition('=')
+      try:
+        out[name] = config_lib.parse_value(name, text)
+      except (KeyError, ValueError) as err:
+        raise app.UsageError(f'{flag}={item}: {err}') from err
+    return out
+
+  overrides = parse(FLAGS.overrides, '--overrides')
+  # NAME or NAME:setting=value:setting=value (this entry's own settings,
+  # over --overrides), so one interleaved run can hold variants.
+  runs = []
+  for entry in entries:
+    name, *own = entry.split(':')
     if name not in METHODS:
       raise app.UsageError(f'--method={name}: expected one of '
                            f"{sorted(METHODS)}, 'seeds' or 'all'")
-  overrides = {}
-  for item in FLAGS.overrides:
-    name, _, text = item.partition('=')
-    try:
-      overrides[name] = config_lib.parse_value(name, text)
-    except (KeyError, ValueError) as err:
-      raise app.UsageError(f'--overrides={item}: {err}') from err
+    runs.append((entry, name, dict(overrides, **parse(own, '--method'))))
   header = (f"{'method':<11} {'C':>5} {'samples/s':>10} {'round s':>8} "
             f"{'server s':>9} {'share':>6} {'compile s':>9} {'MB':>7} "
             f"{'server MB':>9}")
@@ -285,7 +297,7 @@ def run_methods(num_devices: int) -> None:
     mb = lambda v: f'{v:.0f}' if v is not None else '-'
     ratio = (f"  x{r['ratio_to_first']:.3f}" if 'ratio_to_first' in r
              else '')
-    print(f"{r['method']:<11} {r['clients']:>5} "
+    print(f"{r['entry']:<11} {r['clients']:>5} "
           f"{r['samples_per_second']:>10,.0f} "
           f"{r['round_seconds']:>8.3f} {r['server_seconds']:>9.4f} "
           f"{r['server_share']:>6.1%} {r['compile_seconds']:>9.1f} "
@@ -293,17 +305,20 @@ def run_methods(num_devices: int) -> None:
           flush=True)
 
   kwargs = dict(total_examples=FLAGS.total_examples, num_devices=num_devices,
-                preset=FLAGS.preset or None, extra=overrides)
+                preset=FLAGS.preset or None)
   for clients in map(int, FLAGS.method_clients):
     if FLAGS.interleave:
-      prepared = [method_rounds.prepare_method(name, clients, **kwargs)
-                  for name in names]
-      for r in method_rounds.time_interleaved(prepared, FLAGS.rounds):
-        show(r)
+      prepared = [method_rounds.prepare_method(name, clients, extra=extra,
+                                               **kwargs)
+                  for _, name, extra in runs]
+      for (entry, _, _), r in zip(
+          runs, method_rounds.time_interleaved(prepared, FLAGS.rounds)):
+        show(dict(r, entry=entry))
       continue
-    for name in names:
-      show(method_rounds.time_method(name, clients, rounds=FLAGS.rounds,
-                                     **kwargs))
+    for entry, name, extra in runs:
+      show(dict(method_rounds.time_method(name, clients, rounds=FLAGS.rounds,
+                                          extra=extra, **kwargs),
+                entry=entry))
 
 
 def main(argv):
