@@ -238,6 +238,13 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                        ('server_batch_size', config['batch_size']),
                        ('server_steps', steps)):
       agg_kwargs.setdefault(key, value)
+  if name == 'auror':
+    # Its threshold is in gradient units (FLPoison's FedSGD): a delta of
+    # R_l local steps is about lr R_l / (1 - momentum) times the mean
+    # gradient it followed.
+    r_l = client_steps or 1
+    agg_kwargs.setdefault('delta_scale', config['local_lr'] * r_l /
+                          (1.0 - min(config['momentum'], 0.99)))
   if name in aggregators.MODEL_EVAL_RULES:
     agg_kwargs.setdefault('apply_fn', cohorts[0].model.apply)
     if name == 'deepsight':

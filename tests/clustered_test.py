@@ -267,5 +267,29 @@ class AurorTest(absltest.TestCase):
     self.assertEqual(int(state2.round), 2)
 
 
+  def test_delta_scale_puts_the_threshold_in_gradient_units(self):
+    """Deltas 100x a gradient: at delta_scale 1 every noisy coordinate
+    passes the 0.002 threshold; divided by the step (100) only the shifted
+    ones do, as for the gradients themselves."""
+    rng = np.random.default_rng(3)
+    grads = rng.normal(size=(9, 6)) * 2e-4
+    grads[[0, 5], 2:4] += 0.01
+    tree = lambda x: {'head': {'kernel': jnp.asarray(x, jnp.float32)}}
+    one = jax.tree.map(lambda a: a[0], tree(grads))
+    found = {}
+    for name, x, scale in (('grads', grads, 1.0),
+                           ('deltas', 100 * grads, 1.0),
+                           ('scaled', 100 * grads, 100.0)):
+      agg = AGGREGATORS['auror'](output_path='head', delta_scale=scale)
+      _, state, _ = agg.aggregate(tree(x), jnp.ones(9, bool),
+                                  agg.init(one), KEY)
+      found[name] = np.flatnonzero(state.indicative)
+    np.testing.assert_array_equal(found['grads'], [2, 3])
+    self.assertEqual(len(found['deltas']), 6)
+    np.testing.assert_array_equal(found['scaled'], [2, 3])
+    with self.assertRaisesRegex(ValueError, 'delta_scale'):
+      AGGREGATORS['auror'](delta_scale=0.0)
+
+
 if __name__ == '__main__':
   absltest.main()
