@@ -267,27 +267,46 @@ class RuleTest(absltest.TestCase):
     self.assertEqual(set(banned_at), bad)
     self.assertTrue(np.all(np.isfinite(np.asarray(state.cache.gbar))))
 
-  def test_banned_uploads_are_scored_but_never_aggregated(self):
-    """Once banned, the attackers' uploads still enter the clustering, so
-    a round whose only outlier is benign is not cut there, and no second
-    recovery starts."""
-    n, d = 8, 6
-    agg = get_aggregator('fedhan', num_clients=n, rollback=2)
+  @staticmethod
+  def _opposed_rounds(seed, outlier_round, outlier_scale, n=8, d=6,
+                      rounds=4):
+    """Rounds of n uploads near one direction, clients 6 and 7 opposing
+    it (-5x), and benign client 0 at outlier_scale x in outlier_round."""
+    rng = np.random.default_rng(seed)
+    direction = rng.normal(size=d)
+    out = []
+    for round_ in range(rounds):
+      u = direction + 0.05 * rng.normal(size=(n, d))
+      u[6:] = -5.0 * direction
+      if round_ == outlier_round:
+        u[0] = outlier_scale * direction
+      out.append(jnp.asarray(u, jnp.float32))
+    return out
+
+  @staticmethod
+  def _run_all_arriving(updates, **kwargs):
+    """The final state and per-round info of the rule with every client
+    arriving fresh each round."""
+    n, d = updates[0].shape
+    agg = get_aggregator('fedhan', num_clients=n, **kwargs)
     step = jax.jit(lambda u, st: call_aggregator(
         agg, {'w': u}, jnp.ones(n, bool), st, jax.random.key(0),
         ids=jnp.arange(n, dtype=jnp.int32),
         staleness=jnp.zeros(n, jnp.int32), coverage=None))
     state = agg.init({'w': jnp.zeros((d,))})
-    rng = np.random.default_rng(1)
-    direction = rng.normal(size=d)
     infos = []
-    for round_ in range(4):
-      u = direction + 0.05 * rng.normal(size=(n, d))
-      u[6:] = -5.0 * direction
-      if round_ == 3:
-        u[0] = 2.5 * direction       # a benign outlier
-      _, state, info = step(jnp.asarray(u, jnp.float32), state)
+    for u in updates:
+      _, state, info = step(u, state)
       infos.append(jax.tree.map(np.asarray, info))
+    return state, infos
+
+  def test_banned_uploads_are_scored_but_never_aggregated(self):
+    """Once banned, the attackers' uploads still enter the clustering, so
+    a round whose only outlier is benign is not cut there, and no second
+    recovery starts."""
+    state, infos = self._run_all_arriving(
+        self._opposed_rounds(1, outlier_round=3, outlier_scale=2.5),
+        rollback=2)
     np.testing.assert_array_equal(np.flatnonzero(state.banned), [6, 7])
     self.assertEqual(float(infos[1]['recovered']), 1.0)
     last = infos[3]
@@ -301,32 +320,8 @@ class RuleTest(absltest.TestCase):
     """With ban_after=2 a benign client flagged in one round misses that
     round only; the attackers, flagged every round, are banned at their
     second flag, and that round starts the recovery."""
-    n, d = 8, 6
-    rng = np.random.default_rng(2)
-    direction = rng.normal(size=d)
-    rounds = []
-    for round_ in range(4):
-      u = direction + 0.05 * rng.normal(size=(n, d))
-      u[6:] = -5.0 * direction
-      if round_ == 1:
-        u[0] = 6.0 * direction       # a benign outlier, once
-      rounds.append(jnp.asarray(u, jnp.float32))
-
-    def run(ban_after):
-      agg = get_aggregator('fedhan', num_clients=n, rollback=2,
-                           ban_after=ban_after)
-      step = jax.jit(lambda u, st: call_aggregator(
-          agg, {'w': u}, jnp.ones(n, bool), st, jax.random.key(0),
-          ids=jnp.arange(n, dtype=jnp.int32),
-          staleness=jnp.zeros(n, jnp.int32), coverage=None))
-      state = agg.init({'w': jnp.zeros((d,))})
-      infos = []
-      for u in rounds:
-        _, state, info = step(u, state)
-        infos.append(jax.tree.map(np.asarray, info))
-      return state, infos
-
-    state, infos = run(2)
+    rounds = self._opposed_rounds(2, outlier_round=1, outlier_scale=6.0)
+    state, infos = self._run_all_arriving(rounds, rollback=2, ban_after=2)
     self.assertTrue(infos[1]['flagged'][0], infos[1]['suspicion'])
     self.assertEqual(infos[1]['weights'][0], 0.0)
     np.testing.assert_array_equal(infos[1]['weights'][6:], [0.0, 0.0])
@@ -336,7 +331,8 @@ class RuleTest(absltest.TestCase):
     np.testing.assert_array_equal(np.flatnonzero(state.banned), [6, 7])
     np.testing.assert_array_equal(np.asarray(state.strikes)[[0, 6, 7]],
                                   [1, 3, 3])   # still scored once banned
-    state1, infos1 = run(1)      # banning at the first flag keeps it out
+    state1, infos1 = self._run_all_arriving(rounds, rollback=2,
+                                            ban_after=1)
     self.assertEqual(float(infos1[1]['recovered']), 1.0)
     self.assertIn(0, np.flatnonzero(state1.banned))
     self.assertEqual(infos1[3]['weights'][0], 0.0)
