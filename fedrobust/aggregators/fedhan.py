@@ -309,8 +309,10 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     else:
       flagged, detected = jnp.zeros((c,), bool), jnp.bool_(False)
     keep = valid & ~flagged
-    strikes = state.strikes.at[jnp.where(flagged, ids, num_clients)].add(
-        1, mode='drop')
+    # One strike per flagged round, however many of its uploads arrived.
+    flagged_now = jnp.zeros((num_clients,), bool).at[
+        jnp.where(flagged, ids, num_clients)].set(True, mode='drop')
+    strikes = state.strikes + flagged_now.astype(jnp.int32)
     new_banned = state.banned | (strikes >= ban_after)
     # A client banned in this round (a recovery's trigger).
     newly = valid & new_banned.at[ids].get(mode='fill', fill_value=False)
