@@ -242,6 +242,12 @@ def prepare_method(method: str, clients: int, *, total_examples: int,
   return Prepared(one_round, one_server, report)
 
 
+def _server_seconds(prepared: Prepared, rounds: int) -> float:
+  """Median seconds of the server step over `rounds`, after a warm-up."""
+  prepared.one_server()
+  return statistics.median(prepared.one_server() for _ in range(rounds))
+
+
 def time_method(method: str, clients: int, *, total_examples: int,
                 rounds: int, preset: str | None = None,
                 num_devices: int = 1,
@@ -251,10 +257,7 @@ def time_method(method: str, clients: int, *, total_examples: int,
                             preset=preset, num_devices=num_devices,
                             extra=extra)
   round_seconds = _median_seconds(prepared.one_round, rounds)
-  prepared.one_server()                                   # warm-up
-  server_seconds = statistics.median(prepared.one_server()
-                                     for _ in range(rounds))
-  return prepared.report(round_seconds, server_seconds)
+  return prepared.report(round_seconds, _server_seconds(prepared, rounds))
 
 
 def time_interleaved(prepared: Sequence[Prepared], rounds: int
@@ -271,9 +274,7 @@ def time_interleaved(prepared: Sequence[Prepared], rounds: int
       times[k].append(time.perf_counter() - t0)
   reports = []
   for k, p in enumerate(prepared):
-    p.one_server()                                        # warm-up
-    server_seconds = statistics.median(p.one_server() for _ in range(rounds))
-    r = p.report(statistics.median(times[k]), server_seconds)
+    r = p.report(statistics.median(times[k]), _server_seconds(p, rounds))
     r['ratio_to_first'] = statistics.median(
         a / b for a, b in zip(times[k], times[0]))
     r['interleaved_rounds'] = rounds
