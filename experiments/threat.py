@@ -60,6 +60,60 @@ def edge_case_images(input_shape: tuple[int, ...], digit: int
   return x[:len(x) // 2], x[len(x) // 2:]
 
 
+def _stateful_attack(config: dict[str, Any], attack: str,
+                     kwargs: dict[str, Any], *, num_classes: int,
+                     input_shape: tuple[int, ...], test_x: np.ndarray,
+                     test_y: np.ndarray, cohorts: tuple, delayed: bool,
+                     num_malicious: int):
+  """3DFed: built with the model, the clients' local training settings and
+  the BadNets trigger of the --trigger_* flags (its backdoor is measured
+  like BadNets')."""
+  if delayed or config.get('train_on_arrival'):
+    raise ValueError(f'--attack={attack} reads its feedback from the next '
+                     'round\'s global model: it needs synchronous rounds '
+                     '(no --client_delay)')
+  if len(cohorts) != 1 or cohorts[0].transform.name != 'identity':
+    raise ValueError(f'--attack={attack} crafts full-model updates: it '
+                     'needs one cohort and --transform=identity')
+  if len(input_shape) == 1:
+    raise ValueError(f'--attack={attack} stamps images; the dataset holds '
+                     'token ids')
+  if config.get('local_optimizer', 'sgd') != 'sgd':
+    raise ValueError(f'--attack={attack} trains with SGD like the '
+                     'release; it needs --local_optimizer=sgd')
+  target = config['backdoor_target_label']
+  if not 0 <= target < num_classes:
+    raise ValueError(f'--backdoor_target_label={target} must be in '
+                     f'[0, {num_classes})')
+  h, w = attacks.parse_trigger_size(config['trigger_size'])
+  trigger = attacks.Trigger(h, w, config['trigger_location'],
+                            config['trigger_value'],
+                            pattern=config['trigger_pattern'])
+  # The triggered clone of a whole batch (the release's MNIST poisoning
+  # proportion is 1.0).
+  stamp_all = attacks.badnets(image_shape=input_shape, target_label=target,
+                              trigger=trigger, poison_fraction=1.0).apply
+
+  def stamp(x, y):
+    return stamp_all(x, y, jnp.zeros(y.shape, jnp.int32), jnp.int32(1), 0)
+
+  try:
+    built = attacks.STATEFUL_ATTACKS[attack](
+        apply_fn=cohorts[0].model.apply, stamp=stamp,
+        num_attackers=num_malicious, num_classes=num_classes,
+        target_label=target, learning_rate=config['local_lr'],
+        batch_size=config['batch_size'], local_epochs=config['local_epochs'],
+        momentum=config['momentum'], weight_decay=config['weight_decay'],
+        **kwargs)
+  except TypeError as err:
+    raise ValueError(f'--attack_kwargs for {attack}: {err}') from None
+  triggered = attacks.triggered_test_set(
+      test_x, test_y, 'badnets', target_label=target, trigger=trigger,
+      exclude_target=config['backdoor_eval'] == 'exclude_target',
+      with_sources=True)
+  return built, triggered
+
+
 def build_threat(config: dict[str, Any], *, num_classes: int,
                  input_shape: tuple[int, ...], test_x: np.ndarray,
                  test_y: np.ndarray, validation: tuple[np.ndarray,
@@ -167,6 +221,12 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
           exclude_target=config['backdoor_eval'] == 'exclude_target',
           with_sources=True, dba_layout=kwargs.get('dba_layout', 'grid'),
           edge_images=edge_test if attack == 'edge_case' else None)
+  stateful = None
+  if attack in attacks.STATEFUL_ATTACKS:
+    stateful, triggered = _stateful_attack(
+        config, attack, kwargs, num_classes=num_classes,
+        input_shape=input_shape, test_x=test_x, test_y=test_y,
+        cohorts=cohorts, delayed=delayed, num_malicious=num_malicious)
   # A model-space attack: --attack itself, or --model_attack on top of a
   # data attack (a backdoor boosted by scaling, say).
   second = config.get('model_attack', 'none')
@@ -304,5 +364,6 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
                     start_round=config['attack_start_round'],
                     model_attack=model_attack,
                     absent=config['exclude_malicious'],
-                    every_round=config['attacker_every_round'])
+                    every_round=config['attacker_every_round'],
+                    stateful_attack=stateful)
   return ThreatSetup(threat, poison, aggregator, triggered, num_malicious, f)

@@ -64,6 +64,7 @@ from fedrobust.models import (default_compute_dtype, default_conv_impl,
                               get_model)
 from fedrobust.pretrain import pretrain
 from fedrobust.transforms import get_transform
+from fedrobust.types import legacy_server_state
 from fedrobust.transforms.base import get_path
 
 RESUMABLE_KEYS = config_lib.RESUMABLE_KEYS
@@ -994,16 +995,23 @@ def _run_locked(config: dict[str, Any], program: Program,
 
   fresh = initial_params(cohorts, config['seed'])
 
+  stateful = (program.threat.threat.stateful_attack
+              if program.threat.threat is not None else None)
+
   def initial_state(params):
-    return init_server_state(method, params, config['num_clients'],
-                             config['seed'] + 1, config=program.round_config,
-                             data=data, server_data=server_data)
+    state = init_server_state(method, params, config['num_clients'],
+                              config['seed'] + 1, config=program.round_config,
+                              data=data, server_data=server_data)
+    if stateful is not None:   # 3DFed's feedback state, checkpointed too
+      state = state._replace(attack=stateful.init(state.params[0]))
+    return state
 
   template = jax.eval_shape(initial_state, fresh)
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
                               keep=config['checkpoints_keep'])
   try:
-    restored = checkpointer.restore_latest(template)
+    restored = checkpointer.restore_latest(
+        template, legacy=legacy_server_state(template))
   except CheckpointError as err:
     if not config['overwrite']:
       raise

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -141,25 +141,42 @@ class Checkpointer:
               f'{expected[:12]}...')
     return None
 
-  def restore_latest(self, like: PyTree) -> tuple[int, PyTree] | None:
+  def _restore(self, step: int, like: PyTree) -> tuple[PyTree, str | None]:
+    """(state, None) if the step restores as `like` and verifies, else
+    (None, why not)."""
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    try:
+      state = self._manager.restore(
+          step, args=ocp.args.StandardRestore(abstract))
+      reason = self._verified(step, state)
+    except Exception as err:  # pylint: disable=broad-except
+      return None, (f'does not restore ({type(err).__name__}: '
+                    f'{str(err).splitlines()[0][:300] if str(err) else ""})')
+    return (state, None) if reason is None else (None, reason)
+
+  def restore_latest(self, like: PyTree, *,
+                     legacy: tuple[tuple[PyTree, Callable[[PyTree], PyTree]],
+                                   ...] = ()
+                     ) -> tuple[int, PyTree] | None:
     """(step, state) of the newest good step, or None if none exist.
 
     Args:
       like: a pytree with the target's structure, shapes and dtypes.
+      legacy: (template, convert) pairs for layouts written by earlier
+        versions: a step that does not restore as `like` is tried as each
+        template in turn (verified as written), then converted.
 
     Raises:
       CheckpointError: steps exist but none is good.
     """
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     failed = []
     for step in reversed(self.steps()):
-      try:
-        state = self._manager.restore(
-            step, args=ocp.args.StandardRestore(abstract))
-        reason = self._verified(step, state)
-      except Exception as err:  # pylint: disable=broad-except
-        reason = (f'does not restore ({type(err).__name__}: '
-                  f'{str(err).splitlines()[0][:300] if str(err) else ""})')
+      state, reason = self._restore(step, like)
+      for old_like, convert in legacy if reason is not None else ():
+        old, why = self._restore(step, old_like)
+        if why is None:
+          state, reason = convert(old), None
+          break
       if reason is None:
         return step, state
       moved = self._set_aside(step)

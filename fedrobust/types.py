@@ -104,6 +104,14 @@ class AsyncState(NamedTuple):
   models: tuple = ()                   # per cohort, with train_on_arrival
 
 
+class AttackContext(NamedTuple):
+  """What a stateful model attack sees of the round besides the updates."""
+  params: Any             # theta_t, the global model the clients started from
+  data: FederatedData     # every client's training data
+  ids: jax.Array          # int32[C], the slots' client ids
+  rank: jax.Array         # int32[C], each slot's rank among all attackers
+
+
 class ServerState(NamedTuple):
   """Everything a round reads and writes; checkpointed as one pytree."""
   round: jax.Array     # int32[], rounds completed
@@ -112,6 +120,27 @@ class ServerState(NamedTuple):
                         # are indexed by client id: leaves [K, ...])
   key: jax.Array       # PRNG key data (uint32[2]); see engine.round
   pending: AsyncState | tuple = ()   # () without client delays
+  attack: PyTree = ()  # a stateful attack's state (3DFed); () without one
+
+
+class LegacyServerState(NamedTuple):
+  """ServerState as checkpointed before the `attack` field (2026-11-24):
+  `legacy_server_state` restores such a checkpoint."""
+  round: jax.Array
+  params: tuple[Params, ...]
+  method_state: PyTree
+  key: jax.Array
+  pending: AsyncState | tuple = ()
+
+
+def legacy_server_state(like: ServerState):
+  """(template, convert) for Checkpointer.restore_latest(legacy=...): a
+  checkpoint written before ServerState.attack existed restores into a
+  state without a stateful attack."""
+  if like.attack != ():
+    return ()
+  return ((LegacyServerState(*like[:5]),
+           lambda old: ServerState(*old, attack=())),)
 
 
 class EvalModel(NamedTuple):

@@ -513,6 +513,36 @@ class EndToEndTest(IdxDataTestCase):
       train.run(base_config(self.data_dir, self.create_tempdir().full_path,
                             method='fedsgd'))
 
+  def test_3dfed_resumes_exactly_and_refuses_delays(self):
+    kw = dict(num_clients=6, clients_per_round=0, attack='3dfed',
+              malicious_fraction=0.34, aggregator='mean',
+              attack_kwargs=json.dumps({
+                  'indicator_layer': 'Dense_0', 'poison_epochs': 2,
+                  'max_decoys': 1, 'group_size': 2}))
+    with self.assertRaisesRegex(ValueError, '--client_delay'):
+      train.run(base_config(self.data_dir, self.create_tempdir().full_path,
+                            client_delay='exponential:1:2', **kw))
+    with self.assertRaisesRegex(ValueError, 'indicator_layer'):
+      train.run(base_config(self.data_dir, self.create_tempdir().full_path,
+                            **dict(kw, attack_kwargs='{}')))
+    straight = self.create_tempdir().full_path
+    train.run(base_config(self.data_dir, straight, **kw))
+    resumed = self.create_tempdir().full_path
+    train.run(base_config(self.data_dir, resumed, **dict(kw, num_rounds=1)))
+    train.run(base_config(self.data_dir, resumed, **kw))
+    hashes = []
+    for workdir in (straight, resumed):
+      with open(os.path.join(workdir, 'summary.json')) as f:
+        hashes.append(json.load(f)['params_sha256'])
+      with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+        last = [json.loads(line) for line in f][-1]
+      self.assertEqual(last['num_attacking'], 2.0)
+      self.assertIn('attack_k', last)
+      self.assertIn('attack_success_rate', last)
+    # The attack's feedback state is checkpointed: the resumed run's
+    # second round reads the indicators planted in its first.
+    self.assertEqual(hashes[0], hashes[1])
+
   def test_backdoor_round_reports_attack_and_detection(self):
     workdir = self.create_tempdir().full_path
     train.run(base_config(self.data_dir, workdir, num_clients=8,

@@ -419,6 +419,32 @@ def bad_client_round(rule):
   return jax.jit(step), state
 
 
+class LegacyLayoutTest(absltest.TestCase):
+
+  def test_a_checkpoint_without_the_attack_field_restores(self):
+    from fedrobust.checkpoint import Checkpointer
+    from fedrobust.types import (LegacyServerState, ServerState,
+                                 legacy_server_state)
+    d = tempfile.mkdtemp()
+    old = LegacyServerState(jnp.int32(3), ({'w': jnp.arange(3.0)},),
+                            {'m': jnp.ones(2)}, jnp.zeros(2, jnp.uint32))
+    ck = Checkpointer(d, keep=2)
+    ck.save(3, old)
+    ck.close()
+    like = ServerState(jnp.int32(0), ({'w': jnp.zeros(3)},),
+                       {'m': jnp.zeros(2)}, jnp.zeros(2, jnp.uint32))
+    ck = Checkpointer(d, keep=2)
+    step, state = ck.restore_latest(like, legacy=legacy_server_state(like))
+    ck.close()
+    self.assertEqual(step, 3)
+    self.assertIsInstance(state, ServerState)
+    self.assertEqual(state.attack, ())
+    np.testing.assert_array_equal(state.params[0]['w'], [0.0, 1.0, 2.0])
+    # A state with an attack has no legacy layout to fall back to.
+    self.assertEqual(legacy_server_state(like._replace(
+        attack={'k': jnp.int32(0)})), ())
+
+
 class BadClientTest(parameterized.TestCase):
   """One client sends NaN, Inf or 1e38: every rule that claims robustness
   keeps the global model finite (the means claim none)."""

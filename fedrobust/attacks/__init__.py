@@ -24,6 +24,7 @@ from fedrobust.attacks.data_poisoning import (DataPoison, Trigger,
 from fedrobust.attacks.agr_tailored import (agr_tailored, optimal_alie,
                                             optimal_ipm)
 from fedrobust.attacks.fang import fang_krum, fang_trim
+from fedrobust.attacks.threedfed import StatefulAttack, thrdfed
 from fedrobust.attacks.model_poisoning import (ModelAttack, gaussian, inf,
                                                ipm, lie, min_max, min_sum,
                                                mimic, model_replacement,
@@ -65,8 +66,14 @@ BACKDOORS = ('badnets', 'blended', 'dba', 'trigger_token', 'edge_case',
 # Attacks on token ids (text datasets); the others read images.
 TEXT_ATTACKS = ('trigger_token', 'label_flip')
 
+# Model attacks that keep state across rounds and see the global model and
+# the data (the engine's Threat.stateful_attack); the runner builds them.
+STATEFUL_ATTACKS: dict[str, Callable[..., StatefulAttack]] = {
+    '3dfed': thrdfed,
+}
+
 # Every value the 'attack' setting accepts.
-ATTACKS = {**MODEL_ATTACKS, **DATA_ATTACKS}
+ATTACKS = {**MODEL_ATTACKS, **DATA_ATTACKS, **STATEFUL_ATTACKS}
 
 
 def get_model_attack(name: str, **kwargs) -> ModelAttack:
@@ -96,4 +103,5 @@ def get_model_attack(name: str, **kwargs) -> ModelAttack:
   return factory(**kwargs)
 
 
-__all__ = ['ATTACKS', 'MODEL_ATTACKS', 'ModelAttack', 'get_model_attack']
+__all__ = ['ATTACKS', 'MODEL_ATTACKS', 'ModelAttack', 'STATEFUL_ATTACKS',
+           'StatefulAttack', 'get_model_attack']

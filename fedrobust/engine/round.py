@@ -34,8 +34,8 @@ from fedrobust.engine import delay as delay_lib
 from fedrobust.engine.execution import run_clients, validate_strategy
 from fedrobust.errors import SettingError
 from fedrobust.tree import ravel_clients, unravel_like
-from fedrobust.types import (Arrivals, AsyncState, FederatedData, LocalData,
-                             Method, ServerState)
+from fedrobust.types import (Arrivals, AsyncState, AttackContext,
+                             FederatedData, LocalData, Method, ServerState)
 
 Params = Any
 PyTree = Any
@@ -58,6 +58,10 @@ class Threat(NamedTuple):
     one attacker (FedHAN's detector setting, "at least one attacker per
     round"): if the uniform sample has none, a free attacker of the cohort
     takes the slot of a sampled benign client. Needs a fixed set.
+  stateful_attack: optional attacks.threedfed.StatefulAttack (3DFed): a
+    model attack that keeps state across rounds (ServerState.attack,
+    from its init) and sees the global model and the data; synchronous
+    rounds with one cohort only.
   Data poisoning is the method's business: client_update sees
   LocalData.is_malicious and LocalData.attacker_rank.
   """
@@ -67,6 +71,7 @@ class Threat(NamedTuple):
   model_attack: Callable | None = None
   absent: bool = False
   every_round: bool = False
+  stateful_attack: Any = None
 
 
 class CohortSlots(NamedTuple):
@@ -386,6 +391,16 @@ def _attack(outputs, threat, is_mal, mask, key):
       lambda row: unravel_like(row, like))(attacked))
 
 
+def _stateful_attack(outputs, threat, is_mal, mask, key, attack_state,
+                     context):
+  flat = ravel_clients(outputs.delta)
+  attacked, attack_state, decoys = threat.stateful_attack.apply(
+      flat, is_mal, mask, key, attack_state, context)
+  like = jax.tree.map(lambda leaf: leaf[0], outputs.delta)
+  return outputs._replace(delta=jax.vmap(
+      lambda row: unravel_like(row, like))(attacked)), attack_state, decoys
+
+
 def all_finite(tree: PyTree) -> jax.Array:
   """bool[]: every entry of every leaf is finite."""
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf))
@@ -466,6 +481,11 @@ def make_round_step(method: Method, config: RoundConfig, *,
     A pure function; jit it with donate_argnums=0.
   """
   validate_round_config(config)
+  if threat is not None and threat.stateful_attack is not None and (
+      config.delay is not None or len(config.cohort_slots()) != 1):
+    raise SettingError('attack', f'{threat.stateful_attack.name} keeps '
+                       'state across synchronous rounds of one cohort: it '
+                       'runs without client delays and cohorts')
   if mesh is not None and mesh.size != config.num_devices:
     raise SettingError('num_devices', f'the mesh has {mesh.size} devices, '
                        f'the config says {config.num_devices}')
@@ -535,6 +555,8 @@ def make_round_step(method: Method, config: RoundConfig, *,
     arrivals, arrival_mal, buffers, rings = [], [], [], []
     computed = []    # (outputs, run mask) of this round's computations
     num_attacking = jnp.float32(0.0)
+    attack_state = state.attack
+    decoys = None
     deferred = jnp.float32(0.0)   # due updates left for the next round
     expired = jnp.float32(0.0)    # train_on_arrival tickets too stale
     for j, slots in enumerate(cohorts):
@@ -614,6 +636,13 @@ def make_round_step(method: Method, config: RoundConfig, *,
       if threat is not None and threat.model_attack is not None:
         outputs = _attack(outputs, threat, is_mal, mask,
                           per_cohort(attack_key, j))
+      if threat is not None and threat.stateful_attack is not None:
+        outputs, attack_state, decoys = _stateful_attack(
+            outputs, threat, is_mal, mask,
+            jax.random.fold_in(attack_key, 0x3DFED), attack_state,
+            AttackContext(state.params[j], data, ids, rank))
+        # A decoy is the attackers' upload in a benign client's slot.
+        is_mal = is_mal | decoys
       computed.append((outputs, mask))
       if delay is None:
         arrivals.append(Arrivals(ids, mask, outputs,
@@ -652,6 +681,12 @@ def make_round_step(method: Method, config: RoundConfig, *,
     metrics['examples'] = sum(jnp.sum(jnp.where(m, o.weight, 0.0))
                               for o, m in computed)
     metrics['num_attacking'] = num_attacking
+    if decoys is not None:
+      metrics['attack_decoys'] = jnp.sum(decoys).astype(jnp.float32)
+      for name in ('k', 'weak_dp'):
+        if hasattr(attack_state, name):
+          metrics[f'attack_{name}'] = jnp.asarray(
+              getattr(attack_state, name), jnp.float32)
     metrics['clients_trained'] = sum(jnp.sum(m).astype(jnp.float32)
                                      for _, m in computed)
     if delay is not None:
@@ -691,7 +726,8 @@ def make_round_step(method: Method, config: RoundConfig, *,
     new_pending = (AsyncState(tuple(buffers), busy_until, tuple(rings))
                    if delay is not None else state.pending)
     new_state = ServerState(now, tuple(params), method_state,
-                            jax.random.key_data(key), new_pending)
+                            jax.random.key_data(key), new_pending,
+                            attack_state)
     finite = all_finite(new_state.params)
     metrics['nonfinite_model'] = 1.0 - finite.astype(jnp.float32)
     if skip_nonfinite:
