@@ -125,27 +125,20 @@ def resolve_layers(params: Params, *, indicator_layer: str,
     raise _invalid(arg, f'no kernel at module path {module!r}; the model '
                    f'has {[n.rsplit("/", 1)[0] for n, _, _ in kernels]}')
 
-  if mask_layer == 'auto':
-    if not denses:
-      raise _invalid('mask_layer', 'the model has no Dense output layer')
-    mask = denses[-1]
-  else:
-    mask = named('mask_layer', mask_layer)
-  if indicator_layer == 'auto':
-    if not convs:
-      raise _invalid('indicator_layer', 'the model has no conv kernel; '
-                     'name a layer (its module path)')
-    ind = convs[-1]
-  else:
-    ind = named('indicator_layer', indicator_layer)
-  if decoy_layer == 'auto':
-    before = [x for x in denses if x[1] < mask[1]]
-    if not before:
-      raise _invalid('decoy_layer', 'no Dense kernel before the output '
-                     'layer; name a layer (its module path)')
-    dec = before[-1]
-  else:
-    dec = named('decoy_layer', decoy_layer)
+  def pick(arg, value, candidates, missing):
+    if value != 'auto':
+      return named(arg, value)
+    if not candidates:
+      raise _invalid(arg, f'{missing}; name a layer (its module path)')
+    return candidates[-1]
+
+  mask = pick('mask_layer', mask_layer, denses,
+              'the model has no Dense output layer')
+  ind = pick('indicator_layer', indicator_layer, convs,
+             'the model has no conv kernel')
+  dec = pick('decoy_layer', decoy_layer,
+             [x for x in denses if x[1] < mask[1]],
+             'no Dense kernel before the output layer')
   if len(mask[2]) != 2:
     raise _invalid('mask_layer', f'{mask[0]} is not a Dense kernel '
                    f'(shape {mask[2]})')
