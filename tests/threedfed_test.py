@@ -278,6 +278,11 @@ class ApplyTest(absltest.TestCase):
     np.testing.assert_array_equal(out, self.updates)
     self.assertFalse(bool(new.started))
     self.assertFalse(np.asarray(decoys).any())
+    # Other values, same shapes: no retrace.
+    size = self.apply._cache_size()
+    self.apply(self.updates * 2, jnp.ones((C,), bool), jnp.ones((C,), bool),
+               jax.random.key(5), new, self.ctx())
+    self.assertEqual(self.apply._cache_size(), size)
 
 
 class SettingsTest(absltest.TestCase):
