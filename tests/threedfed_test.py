@@ -63,7 +63,8 @@ class FeedbackTest(absltest.TestCase):
         alpha=jnp.asarray(alpha, jnp.float32),
         idx=jnp.arange(t, dtype=jnp.int32), value=jnp.asarray(value),
         base=jnp.asarray(base), live=jnp.asarray(live),
-        group=jnp.asarray(group, jnp.int32))
+        group=jnp.asarray(group, jnp.int32),
+        feedback=jnp.full((t,), jnp.nan))
     return state, jnp.asarray(theta)
 
   def test_matches_the_release(self):
@@ -109,7 +110,7 @@ class FeedbackTest(absltest.TestCase):
         started=jnp.bool_(False), weak_dp=jnp.bool_(False), k=jnp.int32(0),
         alpha=jnp.zeros((2,)), idx=jnp.zeros((6,), jnp.int32),
         value=jnp.ones((6,)), base=jnp.zeros((6,)), live=jnp.ones((6,), bool),
-        group=jnp.zeros((4,), jnp.int32))
+        group=jnp.zeros((4,), jnp.int32), feedback=jnp.zeros((6,)))
     k, alpha, weak, codes = td.read_feedback(
         state, jnp.full((6,), 5.0), num_attackers=A, group_size=G,
         max_decoys=KMAX, threshold=1e-4, clip_ratio=0.8,

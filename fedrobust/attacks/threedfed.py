@@ -86,6 +86,7 @@ class ThreeDFedState(NamedTuple):
   base: jax.Array       # float32[T], theta_t at those coordinates
   live: jax.Array       # bool[T], planted last round (read this round)
   group: jax.Array      # int32[A], each attacker rank's mask group
+  feedback: jax.Array   # float32[T], this round's readings f (NaN: unread)
 
 
 def _invalid(argument: str, message: str) -> SettingError:
@@ -380,7 +381,8 @@ def thrdfed(*, apply_fn: Callable, stamp: Callable, num_attackers: int,
         value=jnp.ones((slots,), jnp.float32),
         base=jnp.zeros((slots,), jnp.float32),
         live=jnp.zeros((slots,), bool),
-        group=jnp.zeros((a,), jnp.int32))
+        group=jnp.zeros((a,), jnp.int32),
+        feedback=jnp.full((slots,), jnp.nan, jnp.float32))
 
   def ravel(tree):
     return jnp.concatenate([jnp.ravel(x).astype(jnp.float32)
@@ -421,7 +423,7 @@ def thrdfed(*, apply_fn: Callable, stamp: Callable, num_attackers: int,
     ids = jnp.asarray(context.ids, jnp.int32)
     (k_feedback, k_bd, k_ben, k_mask, k_rows, k_perm,
      k_dec) = jax.random.split(key, 7)
-    k, alpha, weak, _ = read_feedback(
+    k, alpha, weak, codes = read_feedback(
         state, theta[state.idx], num_attackers=a, group_size=g,
         max_decoys=max_decoys, threshold=threshold, clip_ratio=clip_ratio,
         noise_mask_alpha=noise_mask_alpha, key=k_feedback)
@@ -558,11 +560,16 @@ def thrdfed(*, apply_fn: Callable, stamp: Callable, num_attackers: int,
           started=jnp.bool_(True), weak_dp=weak, k=k, alpha=alpha, idx=idx,
           value=jnp.concatenate([att_vals, dec_vals]).astype(jnp.float32),
           base=theta[idx], live=jnp.concatenate([present, used]),
-          group=group)
+          group=group, feedback=feedback)
       return out, new, decoy_of >= 0
 
+    # Diagnostics: what each planted slot read this round.
+    feedback = jnp.where(codes >= 0, (theta[state.idx] - state.base) /
+                         state.value, jnp.nan).astype(jnp.float32)
+
     def idle():
-      return (updates, state._replace(live=jnp.zeros_like(state.live)),
+      return (updates, state._replace(live=jnp.zeros_like(state.live),
+                                      feedback=feedback),
               jnp.zeros((c,), bool))
 
     return jax.lax.cond(jnp.any(attacking), attack, idle)

@@ -687,6 +687,13 @@ def make_round_step(method: Method, config: RoundConfig, *,
         if hasattr(attack_state, name):
           metrics[f'attack_{name}'] = jnp.asarray(
               getattr(attack_state, name), jnp.float32)
+      if hasattr(attack_state, 'feedback'):   # 3DFed's readings, NaN unread
+        f = attack_state.feedback
+        read = jnp.isfinite(f)
+        metrics['attack_feedback_min'] = jnp.where(
+            jnp.any(read), jnp.min(jnp.where(read, f, jnp.inf)), jnp.nan)
+        metrics['attack_feedback_max'] = jnp.where(
+            jnp.any(read), jnp.max(jnp.where(read, f, -jnp.inf)), jnp.nan)
     metrics['clients_trained'] = sum(jnp.sum(m).astype(jnp.float32)
                                      for _, m in computed)
     if delay is not None:
