@@ -388,15 +388,6 @@ def thrdfed(*, apply_fn: Callable, stamp: Callable, num_attackers: int,
     return jnp.concatenate([jnp.ravel(x).astype(jnp.float32)
                             for x in jax.tree.leaves(tree)])
 
-  def unravel(flat, like):
-    leaves, treedef = jax.tree.flatten(like)
-    out, start = [], 0
-    for leaf in leaves:
-      out.append(flat[start:start + leaf.size].reshape(leaf.shape).astype(
-          leaf.dtype))
-      start += leaf.size
-    return jax.tree.unflatten(treedef, out)
-
   def train(loss_fn, params, local, key, epochs):
     n_pad = local.x.shape[1]
     config = LocalConfig(batch_size, epochs, -(-n_pad // batch_size))
