@@ -67,8 +67,7 @@ flags.DEFINE_integer('local_steps', 20, 'Local SGD steps per client.')
 flags.DEFINE_integer('batch_size', 64, 'Local batch size.')
 flags.DEFINE_enum('client_execution', 'auto', ('auto', 'all') + STRATEGIES,
                   "Strategy to time; 'all' times each one.")
-flags.DEFINE_integer('chunk_size', 0, 'Chunk size (chunked; interleaved); '
-                     '0: min(C, 8); 2.')
+flags.DEFINE_integer('chunk_size', 0, 'Chunk size (chunked); 0: min(C, 8).')
 flags.DEFINE_integer('scan_unroll', 1, 'Local-step scan unroll (0: full).')
 flags.DEFINE_enum('conv_impl', 'auto', ('auto',) + CONV_IMPLS,
                   'Convolution lowering.')
@@ -166,13 +165,10 @@ def build_round(strategy: str, *, model_name: str, clients: int,
                       aggregator=get_aggregator(aggregator, num_byzantine=0))
   if strategy == 'chunked' and not chunk_size:
     chunk_size = min(clients, 8)
-  if strategy == 'interleaved' and not chunk_size:
-    chunk_size = 2
-  if strategy not in ('chunked', 'interleaved'):
-    chunk_size = 0
   config = engine.RoundConfig(num_clients=clients, clients_per_round=clients,
                               strategy=strategy,
-                              chunk_size=chunk_size, num_devices=num_devices)
+                              chunk_size=chunk_size if strategy == 'chunked'
+                              else 0, num_devices=num_devices)
   mesh = engine.client_mesh(num_devices) if num_devices > 1 else None
   step = jax.jit(engine.make_round_step(method, config, mesh=mesh),
                  donate_argnums=0)
@@ -199,7 +195,7 @@ def build_round(strategy: str, *, model_name: str, clients: int,
   info = {
       'model': model_name, 'clients': clients, 'local_steps': local_steps,
       'batch_size': batch_size, 'client_execution': strategy,
-      'chunk_size': chunk_size or None,
+      'chunk_size': chunk_size if strategy == 'chunked' else None,
       'scan_unroll': scan_unroll, 'conv_impl': conv_impl,
       'aggregator': aggregator, 'compute_dtype': compute_dtype,
       'num_devices': num_devices, 'compile_seconds': compile_seconds,

@@ -224,12 +224,10 @@ CORE: tuple[Setting, ...] = (
       'or continue (the run then ends as diverged).',
       choices=('stop', 'skip_round', 'continue')),
     # Execution (never changes the math beyond float reassociation).
-    S('client_execution', 'auto', 'How clients run: vmap, chunked vmap, '
-      'sequential lax.map, or interleaved (lax.map over chunks of unbatched '
-      'clients side by side); auto picks per backend.',
+    S('client_execution', 'auto', 'How clients run: vmap, chunked vmap or '
+      'sequential lax.map; auto picks per backend.',
       choices=('auto',) + STRATEGIES),
-    S('chunk_size', 0, 'Clients per chunk (chunked, interleaved); 0 picks '
-      'min(C, 16) for chunked and 2 for interleaved.'),
+    S('chunk_size', 0, 'Clients per chunk (chunked); 0 picks min(C, 16).'),
     S('scan_unroll', 1, 'Unroll factor of the local-step scan (0: fully '
       'unrolled).'),
     S('conv_impl', 'auto', 'Convolution lowering; auto picks per backend.',

@@ -143,10 +143,8 @@ def validate(config: dict[str, Any]) -> None:
     raise ValueError(f"--server_lr must be a finite number > 0, got "
                      f"{config['server_lr']}")
   config_lib.check_foreign_settings(config)
-  if (config['client_execution'] not in ('chunked', 'interleaved')
-      and config['chunk_size']):
-    raise ValueError('--chunk_size needs --client_execution=chunked or '
-                     'interleaved')
+  if config['client_execution'] != 'chunked' and config['chunk_size']:
+    raise ValueError('--chunk_size needs --client_execution=chunked')
   if config['dataset'] == 'idx' and not config['data_dir']:
     raise ValueError('--dataset=idx needs --data_dir (a directory with the '
                      'four IDX files)')
@@ -504,9 +502,8 @@ def build(config: dict[str, Any]) -> Program:
   backend = jax.default_backend()
   strategy = (default_strategy(backend) if config['client_execution'] ==
               'auto' else config['client_execution'])
-  chunk_size = config['chunk_size'] or {
-      'chunked': min(config['clients_per_round'], 16),
-      'interleaved': 2}.get(strategy, 0)
+  chunk_size = config['chunk_size'] or (
+      min(config['clients_per_round'], 16) if strategy == 'chunked' else 0)
   conv_impl = (default_conv_impl(backend) if config['conv_impl'] == 'auto'
                else config['conv_impl'])
   compute_dtype = config['compute_dtype']

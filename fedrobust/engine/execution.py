@@ -9,11 +9,6 @@ choice and never changes a result beyond float reassociation:
 - 'sequential': lax.map over clients. On XLA:CPU it avoids the grouped
   convolutions that vmap makes of per-client conv weights, and a client's
   padded steps are skipped by lax.cond instead of computed and discarded.
-- 'interleaved': lax.map over chunks of `chunk_size` clients whose body
-  calls the client function once per client, unbatched: independent
-  programs side by side in one body, which XLA may run concurrently on
-  one device (measured in BUILD_NOTES §4, issue 18). Remainder clients
-  run unbatched after the map; nothing is padded.
 
 With a `jax.sharding.Mesh`, the client axis is split over the mesh's
 'clients' axis with `jax.shard_map`; each device runs the strategy on its
@@ -35,7 +30,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from fedrobust.errors import SettingError
 
 PyTree = Any
-STRATEGIES = ('vmap', 'chunked', 'sequential', 'interleaved')
+STRATEGIES = ('vmap', 'chunked', 'sequential')
 CLIENT_AXIS = 'clients'
 
 
@@ -49,8 +44,8 @@ def validate_strategy(strategy: str, chunk_size: int) -> None:
   if strategy not in STRATEGIES:
     raise SettingError('client_execution', f'got {strategy!r}; expected '
                        f'one of {("auto",) + STRATEGIES}')
-  if strategy in ('chunked', 'interleaved') and chunk_size < 1:
-    raise SettingError('chunk_size', f'client_execution={strategy} needs '
+  if strategy == 'chunked' and chunk_size < 1:
+    raise SettingError('chunk_size', 'client_execution=chunked needs '
                        f'chunk_size >= 1, got {chunk_size}')
 
 
@@ -64,8 +59,6 @@ def map_clients(fn: Callable[[PyTree], PyTree], per_client: PyTree, *,
     return jax.lax.map(fn, per_client)
   c = jax.tree.leaves(per_client)[0].shape[0]
   k = min(chunk_size, c)
-  if strategy == 'interleaved':
-    return _interleaved(fn, per_client, c, k)
   padded = -(-c // k) * k
 
   def pad_and_split(leaf):
@@ -77,33 +70,6 @@ def map_clients(fn: Callable[[PyTree], PyTree], per_client: PyTree, *,
   out = jax.lax.map(jax.vmap(fn), jax.tree.map(pad_and_split, per_client))
   return jax.tree.map(lambda leaf: leaf.reshape(padded, *leaf.shape[2:])[:c],
                       out)
-
-
-def _interleaved(fn, per_client: PyTree, c: int, k: int) -> PyTree:
-  """lax.map over c // k chunks, each body k unbatched calls of fn; the
-  c % k remaining clients run as unbatched calls after it (no padded
-  client is ever computed)."""
-  def one(tree, i):
-    return jax.tree.map(lambda leaf: leaf[i], tree)
-
-  def stack(outs):
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
-
-  full = c // k * k
-  parts = []
-  if full:
-    chunks = jax.tree.map(
-        lambda leaf: leaf[:full].reshape(full // k, k, *leaf.shape[1:]),
-        per_client)
-    out = jax.lax.map(lambda chunk: stack([fn(one(chunk, i))
-                                           for i in range(k)]), chunks)
-    parts.append(jax.tree.map(
-        lambda leaf: leaf.reshape(full, *leaf.shape[2:]), out))
-  if full < c:
-    parts.append(stack([fn(one(per_client, i)) for i in range(full, c)]))
-  if len(parts) == 1:
-    return parts[0]
-  return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
 def client_mesh(num_devices: int | None = None) -> Mesh:
