@@ -60,6 +60,19 @@ def edge_case_images(input_shape: tuple[int, ...], digit: int
   return x[:len(x) // 2], x[len(x) // 2:]
 
 
+def _trigger_and_target(config: dict[str, Any], num_classes: int):
+  """The --trigger_* flags' Trigger and the checked backdoor target."""
+  h, w = attacks.parse_trigger_size(config['trigger_size'])
+  trigger = attacks.Trigger(h, w, config['trigger_location'],
+                            config['trigger_value'],
+                            pattern=config['trigger_pattern'])
+  target = config['backdoor_target_label']
+  if not 0 <= target < num_classes:
+    raise ValueError(f'--backdoor_target_label={target} must be in '
+                     f'[0, {num_classes})')
+  return trigger, target
+
+
 def _stateful_attack(config: dict[str, Any], attack: str,
                      kwargs: dict[str, Any], *, num_classes: int,
                      input_shape: tuple[int, ...], test_x: np.ndarray,
@@ -81,14 +94,7 @@ def _stateful_attack(config: dict[str, Any], attack: str,
   if config.get('local_optimizer', 'sgd') != 'sgd':
     raise ValueError(f'--attack={attack} trains with SGD like the '
                      'release; it needs --local_optimizer=sgd')
-  target = config['backdoor_target_label']
-  if not 0 <= target < num_classes:
-    raise ValueError(f'--backdoor_target_label={target} must be in '
-                     f'[0, {num_classes})')
-  h, w = attacks.parse_trigger_size(config['trigger_size'])
-  trigger = attacks.Trigger(h, w, config['trigger_location'],
-                            config['trigger_value'],
-                            pattern=config['trigger_pattern'])
+  trigger, target = _trigger_and_target(config, num_classes)
   # The triggered clone of a whole batch (the release's MNIST poisoning
   # proportion is 1.0).
   stamp_all = attacks.badnets(image_shape=input_shape, target_label=target,
@@ -173,14 +179,7 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
   poison, model_attack, triggered = None, None, None
   kwargs = _kwargs(config, 'attack_kwargs')
   if attack in attacks.DATA_ATTACKS:
-    h, w = attacks.parse_trigger_size(config['trigger_size'])
-    trigger = attacks.Trigger(h, w, config['trigger_location'],
-                              config['trigger_value'],
-                              pattern=config['trigger_pattern'])
-    target = config['backdoor_target_label']
-    if not 0 <= target < num_classes:
-      raise ValueError(f'--backdoor_target_label={target} must be in '
-                       f'[0, {num_classes})')
+    trigger, target = _trigger_and_target(config, num_classes)
     text = len(input_shape) == 1
     if text != (attack == 'trigger_token') and attack != 'label_flip':
       raise ValueError(

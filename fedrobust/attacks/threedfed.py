@@ -69,11 +69,26 @@ class StatefulAttack(NamedTuple):
   init: params -> state pytree (static shapes).
   apply: (updates, is_malicious, mask, key, state, context)
       -> (updates, state, decoys bool[C]).
+  metrics: state -> {name: float32[]}, logged per round as attack_<name>.
   """
   name: str
-  needs_benign: bool
   init: Callable[[Params], Any]
   apply: Callable[..., tuple[jax.Array, Any, jax.Array]]
+  metrics: Callable[[Any], dict[str, jax.Array]]
+
+
+def _state_metrics(state: 'ThreeDFedState') -> dict[str, jax.Array]:
+  """k, weak DP and the range of this round's readings (NaN: none read)."""
+  read = jnp.isfinite(state.feedback)
+  any_read = jnp.any(read)
+  return {
+      'k': state.k.astype(jnp.float32),
+      'weak_dp': state.weak_dp.astype(jnp.float32),
+      'feedback_min': jnp.where(any_read, jnp.min(
+          jnp.where(read, state.feedback, jnp.inf)), jnp.nan),
+      'feedback_max': jnp.where(any_read, jnp.max(
+          jnp.where(read, state.feedback, -jnp.inf)), jnp.nan),
+  }
 
 
 class ThreeDFedState(NamedTuple):
@@ -602,4 +617,4 @@ def thrdfed(*, apply_fn: Callable, stamp: Callable, num_attackers: int,
     total, _ = jax.lax.scan(body, jnp.zeros(shape, jnp.float32), rows)
     return total.ravel()
 
-  return StatefulAttack('3dfed', False, init, apply)
+  return StatefulAttack('3dfed', init, apply, _state_metrics)

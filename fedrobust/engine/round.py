@@ -383,22 +383,23 @@ def weight_metrics(weights: jax.Array, is_mal: jax.Array,
   return metrics
 
 
-def _attack(outputs, threat, is_mal, mask, key):
-  flat = ravel_clients(outputs.delta)
-  attacked = threat.model_attack(flat, is_mal, mask, key)
+def _with_flat_deltas(outputs, flat):
+  """outputs with its deltas replaced by the rows of flat float[C, D]."""
   like = jax.tree.map(lambda leaf: leaf[0], outputs.delta)
   return outputs._replace(delta=jax.vmap(
-      lambda row: unravel_like(row, like))(attacked))
+      lambda row: unravel_like(row, like))(flat))
+
+
+def _attack(outputs, threat, is_mal, mask, key):
+  return _with_flat_deltas(outputs, threat.model_attack(
+      ravel_clients(outputs.delta), is_mal, mask, key))
 
 
 def _stateful_attack(outputs, threat, is_mal, mask, key, attack_state,
                      context):
-  flat = ravel_clients(outputs.delta)
   attacked, attack_state, decoys = threat.stateful_attack.apply(
-      flat, is_mal, mask, key, attack_state, context)
-  like = jax.tree.map(lambda leaf: leaf[0], outputs.delta)
-  return outputs._replace(delta=jax.vmap(
-      lambda row: unravel_like(row, like))(attacked)), attack_state, decoys
+      ravel_clients(outputs.delta), is_mal, mask, key, attack_state, context)
+  return _with_flat_deltas(outputs, attacked), attack_state, decoys
 
 
 def all_finite(tree: PyTree) -> jax.Array:
@@ -683,17 +684,8 @@ def make_round_step(method: Method, config: RoundConfig, *,
     metrics['num_attacking'] = num_attacking
     if decoys is not None:
       metrics['attack_decoys'] = jnp.sum(decoys).astype(jnp.float32)
-      for name in ('k', 'weak_dp'):
-        if hasattr(attack_state, name):
-          metrics[f'attack_{name}'] = jnp.asarray(
-              getattr(attack_state, name), jnp.float32)
-      if hasattr(attack_state, 'feedback'):   # 3DFed's readings, NaN unread
-        f = attack_state.feedback
-        read = jnp.isfinite(f)
-        metrics['attack_feedback_min'] = jnp.where(
-            jnp.any(read), jnp.min(jnp.where(read, f, jnp.inf)), jnp.nan)
-        metrics['attack_feedback_max'] = jnp.where(
-            jnp.any(read), jnp.max(jnp.where(read, f, -jnp.inf)), jnp.nan)
+      metrics.update({f'attack_{name}': value for name, value in
+                      threat.stateful_attack.metrics(attack_state).items()})
     metrics['clients_trained'] = sum(jnp.sum(m).astype(jnp.float32)
                                      for _, m in computed)
     if delay is not None:
