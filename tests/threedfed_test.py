@@ -246,6 +246,21 @@ class ApplyTest(absltest.TestCase):
     f = (after[new.idx] - new.base) / new.value
     np.testing.assert_allclose(np.asarray(f)[:2], 0.2, atol=2e-3)
 
+  def test_attackers_stay_finite_beside_nonfinite_benign_rows(self):
+    # The conformance cases for attacks: a NaN, an Inf and a 1e38 benign
+    # client. 3DFed crafts its rows from its own training, so they stay
+    # finite and the benign rows pass through as sent (same program).
+    is_mal = jnp.asarray([1, 1, 0, 0, 0, 0], bool)
+    mask = jnp.ones((C,), bool)
+    updates = (self.updates.at[2].set(jnp.nan).at[3].set(jnp.inf)
+               .at[4].set(1e38))
+    out, _, decoys = self.apply(updates, is_mal, mask, jax.random.key(0),
+                                self.attack.init(self.params), self.ctx())
+    out = np.asarray(out)
+    self.assertTrue(np.isfinite(out[:2]).all())
+    np.testing.assert_array_equal(out[2:], np.asarray(updates)[2:])
+    self.assertFalse(np.asarray(decoys).any())
+
   def test_decoy_overwrites_the_last_benign_slot(self):
     is_mal = jnp.asarray([1, 0, 1, 0, 0, 0], bool)
     mask = jnp.ones((C,), bool)
