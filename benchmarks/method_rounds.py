@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from experiments import config as config_lib
 from experiments import train
+from fedrobust.engine import execution
 from fedrobust.engine import round as round_lib
 from fedrobust.types import Arrivals
 
@@ -186,7 +187,9 @@ def prepare_method(method: str, clients: int, *, total_examples: int,
                                 data, server_data, jax.random.key(7))
   # Donated like the round's own state, so in-place cache and history
   # updates are not timed as copies.
-  server = jax.jit(program.method.server_update, donate_argnums=0)
+  # Traced on the round's mesh, as the round traces it (batch hints).
+  server = jax.jit(execution.on_mesh(program.method.server_update, mesh),
+                   donate_argnums=0)
   key = jax.random.key(3)
   t0 = time.perf_counter()
   server_compiled = server.lower(state, arrivals, key, server_data).compile()

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedrobust import engine
+from fedrobust.engine import execution
 from fedrobust.cohort import single_cohort
 from fedrobust.errors import SettingError
 from fedrobust.methods import get_method
@@ -353,6 +354,58 @@ class CohortRoundTest(absltest.TestCase):
     self.assertEqual(float(metrics['clients_trained']), 6.0)
     labels = [m.label for m in method.eval_models(new_state)]
     self.assertEqual(labels, ['mlp', 'lstm'])
+
+
+class SpreadBatchTest(absltest.TestCase):
+  """execution.spread_batch: a server step's batch split over the mesh."""
+
+  def setUp(self):
+    super().setUp()
+    if jax.device_count() < 4:
+      self.skipTest('needs 4 devices (set by conftest.py)')
+    self.mesh = engine.client_mesh(4)
+
+  @staticmethod
+  def grad_of(x_rows):
+    def fn(w, x):
+      x = execution.spread_batch(x.reshape(x_rows, -1))
+      return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+    return fn
+
+  def test_on_mesh_splits_the_batch_and_keeps_the_values(self):
+    w = jax.random.normal(jax.random.key(0), (6, 3))
+    x = jax.random.normal(jax.random.key(1), (8, 6))
+    replicated = jax.sharding.NamedSharding(self.mesh,
+                                            jax.sharding.PartitionSpec())
+    w_r, x_r = jax.device_put((w, x), replicated)
+    fn = self.grad_of(8)
+    plain = jax.jit(fn).lower(w, x).compile()
+    spread = jax.jit(execution.on_mesh(fn, self.mesh)).lower(w_r, x_r).compile()
+    # Each device takes 2 of the 8 rows; the gradient is all-reduced.
+    self.assertIn('all-reduce', spread.as_text())
+    self.assertNotIn('all-reduce', plain.as_text())
+    chex.assert_trees_all_close(spread(w_r, x_r), plain(w, x), rtol=1e-5,
+                                atol=1e-5)
+
+  def test_left_alone_off_mesh_inside_shard_map_and_when_indivisible(self):
+    x = jnp.arange(24.0).reshape(6, 4)
+    seen = []
+
+    def record(v):
+      out = execution.spread_batch(v)
+      seen.append(out is v)
+      return out
+
+    jax.jit(record).lower(x)                                 # no mesh
+    jax.jit(execution.on_mesh(record, self.mesh)).lower(x)   # 6 % 4 != 0
+    per_client = jnp.arange(32.0).reshape(4, 8)
+    jax.jit(execution.on_mesh(lambda p: execution.run_clients(
+        lambda one, _: record(one), p, (), strategy='vmap', mesh=self.mesh),
+        self.mesh)).lower(per_client)                        # manual axis
+    self.assertEqual(seen, [True, True, True])
+    jax.jit(execution.on_mesh(record, self.mesh)).lower(
+        jnp.zeros((8, 4)))                                   # splits
+    self.assertFalse(seen[-1])
 
 
 class DelayTest(parameterized.TestCase):

@@ -77,7 +77,8 @@ def case(name, variant):
     server_data['validation'] = (v.x[0].reshape(2, 4, *IMAGE),
                                  v.y[0].reshape(2, 4), jnp.ones((2, 4), bool))
   if 'anchors' in METHODS[name].server_data:
-    server_data['anchors'] = toy_data([6], 6, seed=11).x[0]
+    # 8 anchors: one batch that splits over the 4 devices of 'sharded'.
+    server_data['anchors'] = toy_data([8], 8, seed=11).x[0]
   sharded = variant == 'sharded'
   config = engine.RoundConfig(
       num_clients=K, clients_per_round=K, strategy='vmap',

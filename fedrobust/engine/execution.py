@@ -16,6 +16,12 @@ own clients, and reductions over clients in the server update become
 all-reduces. On CPU the experiment runner splits the host into up to one
 XLA device per core (experiments/devices.py), so the same path runs
 clients side by side there too.
+
+The server update runs on replicated arrays: every device computes all of
+it. A server step with batch work of its own (RFD-LoRA's distillation over
+the anchors) marks that batch with `spread_batch`; the round traces the
+server update under its mesh (`on_mesh`), so GSPMD splits the batch over
+the devices and all-reduces what is summed over it.
 """
 
 from __future__ import annotations
@@ -70,6 +76,41 @@ def map_clients(fn: Callable[[PyTree], PyTree], per_client: PyTree, *,
   out = jax.lax.map(jax.vmap(fn), jax.tree.map(pad_and_split, per_client))
   return jax.tree.map(lambda leaf: leaf.reshape(padded, *leaf.shape[2:])[:c],
                       out)
+
+
+def on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
+  """fn traced with `mesh` as the ambient (abstract) mesh, so the
+  `spread_batch` hints inside it split over the mesh's devices. Without a
+  mesh, or on one device, fn itself."""
+  if mesh is None or mesh.size == 1:
+    return fn
+
+  def traced_on_mesh(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return traced_on_mesh
+
+
+def spread_batch(x: jax.Array, axis: int = 0) -> jax.Array:
+  """x, hinted to GSPMD as split over the devices along `axis`.
+
+  The values are unchanged; reductions over the axis become per-device
+  partial sums and an all-reduce (float reassociation only). It applies
+  under `on_mesh` when the ambient mesh has an automatic 'clients' axis and
+  that axis's size divides x.shape[axis]; otherwise (no mesh, inside the
+  clients' shard_map, an indivisible batch) x is returned as is.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or CLIENT_AXIS not in mesh.axis_names:
+    return x
+  if CLIENT_AXIS in getattr(mesh, 'manual_axes', ()):
+    return x
+  n = mesh.shape[CLIENT_AXIS]
+  if n == 1 or x.shape[axis] % n:
+    return x
+  spec = [None] * x.ndim
+  spec[axis] = CLIENT_AXIS
+  return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
 def client_mesh(num_devices: int | None = None) -> Mesh:

@@ -31,7 +31,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fedrobust.engine import delay as delay_lib
-from fedrobust.engine.execution import run_clients, validate_strategy
+from fedrobust.engine.execution import (on_mesh, run_clients,
+                                        validate_strategy)
 from fedrobust.errors import SettingError
 from fedrobust.tree import ravel_clients, unravel_like
 from fedrobust.types import (Arrivals, AsyncState, AttackContext,
@@ -446,8 +447,8 @@ def make_setup_step(method: Method, config: RoundConfig, *,
                             strategy=config.strategy,
                             chunk_size=config.chunk_size, mesh=mesh)
       results.append((ids, mask, outputs))
-    return state._replace(method_state=method.server_setup(state,
-                                                           tuple(results)))
+    return state._replace(method_state=on_mesh(method.server_setup, mesh)(
+        state, tuple(results)))
 
   return setup_step
 
@@ -669,7 +670,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
                                staleness))
       arrival_mal.append(buffer.is_malicious & arriving)
 
-    params, method_state, info = method.server_update(
+    params, method_state, info = on_mesh(method.server_update, mesh)(
         state, tuple(arrivals), server_key, server_data)
 
     metrics = {}

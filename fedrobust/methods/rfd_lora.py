@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import optax
 
 from fedrobust.cohort import Cohort, member_positions
+from fedrobust.engine.execution import spread_batch
 from fedrobust.errors import SettingError
 from fedrobust.local import LocalConfig, classification_loss, local_sgd
 from fedrobust.methods import rfd_distill
@@ -77,7 +78,11 @@ def anchor_logits(apply_fn, params, anchors: jax.Array,
   pad = t * batch - a
   x = jnp.concatenate([anchors, jnp.zeros((pad,) + anchors.shape[1:],
                                           anchors.dtype)])
-  out = jax.lax.map(lambda xb: apply_fn(params, xb),
+  # Under the round's device mesh each device takes its share of every
+  # anchor batch (the server's distillation would otherwise run whole on
+  # every device); the clients' own calls run inside their shard_map and
+  # are left as they are.
+  out = jax.lax.map(lambda xb: apply_fn(params, spread_batch(xb)),
                     x.reshape((t, batch) + anchors.shape[1:]))
   return out.reshape((t * batch,) + out.shape[2:])[:a]
 
