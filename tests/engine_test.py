@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedrobust import engine
-from fedrobust.engine import execution
 from fedrobust.cohort import single_cohort
+from fedrobust.engine import execution
 from fedrobust.errors import SettingError
 from fedrobust.methods import get_method
 from fedrobust.models import Model
