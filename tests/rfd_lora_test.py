@@ -95,6 +95,9 @@ class RFDLoRATest(absltest.TestCase):
       logits = np.asarray(out.delta['logits'])
       shapes.add(logits.shape)
       self.assertLessEqual(np.abs(logits).max(), 10.0)      # clipped to c
+      top = np.bincount(np.argmax(logits, -1), minlength=NUM_CLASSES).max()
+      self.assertAlmostEqual(float(out.metrics['anchor_top_share']),
+                             top / 6, places=6)
     self.assertEqual(shapes, {(6, NUM_CLASSES)})
 
   def test_distillation_reaches_the_consensus(self):
@@ -124,6 +127,18 @@ class RFDLoRATest(absltest.TestCase):
     np.testing.assert_array_equal(np.argmax(got, -1),
                                   np.argmax(target.logits, -1))
     self.assertTrue(np.isfinite(float(info['distill_loss'])))
+    # The reported fit is the student's: full agreement, and the loss after
+    # the steps is the loss of the returned student, below the one before.
+    self.assertEqual(float(info['distill_agreement']), 1.0)
+    want = rfd_distill.rfd_loss(got, target, mmd='none')
+    np.testing.assert_allclose(float(info['distill_loss_after']),
+                               float(want), rtol=1e-4)
+    self.assertLess(float(info['distill_loss_after']),
+                    float(info['distill_loss']))
+    share = np.bincount(np.argmax(got, -1), minlength=NUM_CLASSES).max() / 6
+    self.assertAlmostEqual(float(info['student_top_share']), share, places=6)
+    self.assertAlmostEqual(float(info['consensus_top_share']), share,
+                           places=6)
 
 
 if __name__ == '__main__':

@@ -64,6 +64,15 @@ from fedrobust.types import ClientOutput, Method
 Params = Any
 
 
+def top_class_share(logits: jax.Array) -> jax.Array:
+  """The share of rows [A, C] whose argmax is the most frequent class: 1
+  when a model gives every anchor the same class (collapse), 1/C at best
+  balance."""
+  c = logits.shape[-1]
+  counts = jnp.sum(jax.nn.one_hot(jnp.argmax(logits, -1), c), axis=0)
+  return jnp.max(counts) / logits.shape[0]
+
+
 class RFDState(NamedTuple):
   base: Any            # the frozen base W0 (full params)
   adapters: Any        # every client's own adapter, leaves [K, ...]
@@ -178,6 +187,7 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
                              poison=poison)
     z = anchor_logits(apply, new, server_data['anchors'], anchor_batch)
     z = jnp.clip(z.astype(jnp.float32), -clip, clip)
+    metrics = {**metrics, 'anchor_top_share': top_class_share(z)}
     return ClientOutput(delta={'logits': z},
                         weight=data.count.astype(jnp.float32),
                         client_state=new, metrics=metrics)
@@ -191,11 +201,14 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
         groups=groups, clip=clip, temperature=temperature, kappa=kappa,
         tau=tau, rho=rho, cat=cat, dis=dis)
 
-    def loss(s):
-      logits = anchor_logits(
+    def student_logits(s):
+      return anchor_logits(
           lambda p, x: transform.apply(base, p, x, spec=None), s, anchors,
           anchor_batch)
-      return rfd_distill.rfd_loss(logits, target, lam=lam, mmd=mmd)
+
+    def loss(s):
+      return rfd_distill.rfd_loss(student_logits(s), target, lam=lam,
+                                  mmd=mmd)
 
     opt = (optax.adam(distill_lr) if distill_optimizer == 'adam' else
            optax.sgd(distill_lr))
@@ -208,10 +221,20 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     before = loss(student)
     student, _ = jax.lax.fori_loop(0, distill_steps, step,
                                    (student, opt.init(student)))
+    # How far the steps got: the loss after them, and the share of anchors
+    # whose class the student now gives as the consensus does.
+    fitted = student_logits(student)
+    after = rfd_distill.rfd_loss(fitted, target, lam=lam, mmd=mmd)
+    agree = jnp.mean((jnp.argmax(fitted, -1) ==
+                      jnp.argmax(target.logits, -1)).astype(jnp.float32))
     adapters = scatter_clients(state.method_state.adapters,
                                positions[arr.ids], arr.outputs.client_state,
                                arr.mask)
     info = {'distill_loss': before,
+            'distill_loss_after': after,
+            'distill_agreement': agree,
+            'consensus_top_share': top_class_share(target.logits),
+            'student_top_share': top_class_share(fitted),
             'anchor_spread': jnp.mean(target.spread),
             'anchor_temperature': jnp.mean(target.temperature),
             'anchor_weight': jnp.mean(target.weight)}
