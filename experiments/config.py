@@ -174,10 +174,11 @@ CORE: tuple[Setting, ...] = (
       "round's sample holds at least one attacker (FedHAN's detector "
       'setting); needs a fixed malicious set.'),
     S('attacker_knowledge', 'benign_stats', 'What model-poisoning attackers '
-      'may read: every benign update (benign_stats, omniscient), only '
-      "their own honest updates (partial, NDSS'21's partial knowledge), or "
-      'nothing beyond their own update (own_updates_only).',
-      choices=('benign_stats', 'partial', 'own_updates_only')),
+      'may read: every benign update (benign_stats, or its other name '
+      "omniscient: NDSS'21's full knowledge), only their own honest "
+      "updates (partial, NDSS'21's partial knowledge), or nothing beyond "
+      'their own update (own_updates_only).',
+      choices=('benign_stats', 'omniscient', 'partial', 'own_updates_only')),
     S('model_attack', 'none', 'A model-space attack applied to the updates '
       'of a data attack\'s clients (e.g. --attack=badnets '
       '--model_attack=scaling: a boosted backdoor).',
@@ -201,6 +202,10 @@ CORE: tuple[Setting, ...] = (
     S('flip_source_label', -1, 'Label flip: -1 flips every label y -> '
       'classes-1-y; >= 0 flips this class to --backdoor_target_label.'),
     S('blend_alpha', 0.2, 'Blended-trigger opacity.'),
+    S('neurotoxin_mask', 0.0, "Neurotoxin's masking on top of any data "
+      "attack: the attackers project every local gradient off this share of "
+      'coordinates, those the clean gradient at the round\'s start moves '
+      "most (0: off; --attack=neurotoxin is BadNets with 0.1)."),
     # Run, evaluation, checkpoints.
     S('eval_every', 1, 'Evaluate every this many rounds.'),
     S('log_clients', True, 'Log per-client values in metrics.jsonl (id, '

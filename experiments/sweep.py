@@ -70,6 +70,15 @@ flags.DEFINE_string('reference', None, "'PAPER:TABLE' of "
                     'our numbers.')
 flags.DEFINE_string('title', '', 'A line written above the table: the '
                     'setting, e.g. "Fashion-MNIST, self-pretrained ViT".')
+flags.DEFINE_string('merge', '', 'Comma-separated CSVs written by earlier '
+                    'sweeps: tabulate their rows together as --name, runs '
+                    'nothing (key columns: neither a --metrics column nor '
+                    'status/note; a "source" column names each row\'s CSV; '
+                    'a cell in several CSVs is kept once, from the first).')
+flags.DEFINE_string('marks', None, 'JSON file {"flag=v;flag2=v2": "why"}: '
+                    'cells marked implausible against the literature; the '
+                    'table marks them and lists the reasons below it (a '
+                    'key may name a subset of the columns).')
 flags.DEFINE_boolean('dry_run', False, 'Print the cells and exit.')
 flags.mark_flags_as_required(['name'])
 FLAGS = flags.FLAGS
@@ -260,10 +269,73 @@ def run_cell(cell_args: list[str], workdir: str) -> tuple[str, str]:
   return ('refused' if proc.returncode == 2 else 'failed'), message
 
 
+def load_marks(path: str | None) -> list[tuple[dict[str, str], str]]:
+  """[(cell selector, reason)] from a --marks JSON file."""
+  if not path:
+    return []
+  with open(path) as f:
+    raw = json.load(f)
+  out = []
+  for key, why in raw.items():
+    selector = {}
+    for part in key.split(';'):
+      flag, sep, value = part.partition('=')
+      if not sep or not flag.strip():
+        raise ValueError(f'--marks: {key!r} is not "flag=v;flag2=v2"')
+      selector[flag.strip()] = value.strip()
+    out.append((selector, str(why)))
+  return out
+
+
+def mark_of(row: dict, marks: list[tuple[dict[str, str], str]]) -> int:
+  """1-based index of the first mark whose selector the row matches; 0."""
+  for i, (selector, _) in enumerate(marks):
+    if all(str(row.get(k)) == v for k, v in selector.items()):
+      return i + 1
+  return 0
+
+
+def merged_rows(paths: list[str], metrics: list[str]
+                ) -> tuple[list[dict], list[str]]:
+  """(rows, key columns) of several sweep CSVs, each row once."""
+  rows, keys, seen = [], [], {}
+  for path in paths:
+    with open(path, newline='') as f:
+      reader = csv.DictReader(f)
+      cols = [c for c in reader.fieldnames or ()
+              if c not in metrics and c not in ('status', 'note', 'source')
+              and not c.startswith('paper_')]
+      keys += [c for c in cols if c not in keys]
+      for raw in reader:
+        row = {c: raw[c] for c in cols}
+        row['status'] = raw.get('status') or 'ok'
+        row['note'] = raw.get('note') or ''
+        for m in metrics:
+          v = raw.get(m)
+          row[m] = float(v) if v not in (None, '') else None
+        row['source'] = os.path.splitext(os.path.basename(path))[0]
+        rows.append(row)
+  out = []
+  for row in rows:
+    ident = tuple(row.get(k, '-') for k in keys)
+    if ident in seen:
+      first = seen[ident]
+      if first.get(metrics[0]) != row.get(metrics[0]):
+        print(f'merge: {ident} differs between {first["source"]} and '
+              f'{row["source"]}; keeping {first["source"]}', flush=True)
+      continue
+    for k in keys:
+      row.setdefault(k, '-')
+    seen[ident] = row
+    out.append(row)
+  return out, keys + ['source']
+
+
 def write_outputs(name: str, results: list[dict], keys: list[str],
                   metrics: list[str], with_paper: bool = False) -> None:
   """<name>.csv and <name>.md; with_paper adds 'paper_<metric>' columns."""
   os.makedirs(FLAGS.out, exist_ok=True)
+  marks = load_marks(FLAGS.marks)
   columns = []
   for m in metrics:
     columns += [m, f'paper_{m}'] if with_paper else [m]
@@ -273,7 +345,10 @@ def write_outputs(name: str, results: list[dict], keys: list[str],
     writer = csv.DictWriter(f, fieldnames=fields)
     writer.writeheader()
     for r in results:
-      writer.writerow({k: r.get(k) for k in fields})
+      row = {k: r.get(k) for k in fields}
+      if mark_of(r, marks) and r['status'] == 'ok':
+        row['note'] = 'implausible: ' + marks[mark_of(r, marks) - 1][1]
+      writer.writerow(row)
   def fmt(v, column=''):
     metric = column.removeprefix('paper_')
     if v is None:
@@ -283,10 +358,15 @@ def write_outputs(name: str, results: list[dict], keys: list[str],
     return f'{100 * v:.2f}' if isinstance(v, float) else str(v)
   lines = ['| ' + ' | '.join(keys + columns) + ' |',
            '|' + '---|' * (len(keys) + len(columns))]
+  used = []
   for r in results:
     cells = [str(r[k]) for k in keys]
     if r['status'] == 'ok':
       cells += [fmt(r.get(c), c) for c in columns]
+      mark = mark_of(r, marks)
+      if mark:
+        cells[len(keys)] += f' (!{mark})'
+        used.append(mark)
     else:
       note = f"{r['status']}: {r['note']}"
       if with_paper:
@@ -309,6 +389,13 @@ def write_outputs(name: str, results: list[dict], keys: list[str],
     if FLAGS.title:
       f.write(f'\n**{FLAGS.title}**\n\n')
     f.write('\n'.join(lines) + '\n')
+    if used:
+      f.write('\nCells marked (!N) are implausible against the literature '
+              '(BUILD_NOTES explains each):\n\n')
+      for i in sorted(set(used)):
+        selector, why = marks[i - 1]
+        f.write(f'{i}. ' + ', '.join(f'{k}={v}' for k, v in selector.items())
+                + f': {why}\n')
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -389,6 +476,20 @@ def main(argv):
   del argv
   check_name('name', FLAGS.name)
   check_name('runs_name', FLAGS.runs_name)
+  if FLAGS.merge:
+    if FLAGS.grid or FLAGS.reference:
+      raise app.UsageError('--merge tabulates earlier CSVs: give no --grid '
+                           'or --reference')
+    metrics = [m.strip() for m in FLAGS.metrics.split(',') if m.strip()]
+    results, keys = merged_rows(
+        [p.strip() for p in FLAGS.merge.split(',') if p.strip()], metrics)
+    write_outputs(FLAGS.name, results, keys, metrics)
+    if FLAGS.pivot:
+      row_key, col_key = FLAGS.pivot.split(',')
+      write_pivot(FLAGS.name, results, row_key, col_key, metrics[0])
+    print(f'{FLAGS.name}: {len(results)} cells from '
+          f'{len(FLAGS.merge.split(","))} CSVs', flush=True)
+    return
   cells = parse_grid(FLAGS.grid)
   keys = list(cells[0]) if cells and cells[0] else []
   metrics = [m.strip() for m in FLAGS.metrics.split(',') if m.strip()]

@@ -7,6 +7,7 @@ and the triggered test set used for the attack success rate.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from typing import Any, NamedTuple
@@ -16,6 +17,7 @@ import numpy as np
 
 from experiments import config as config_lib
 from fedrobust import aggregators, attacks
+from fedrobust.attacks.data_poisoning import neurotoxin_mask
 from fedrobust.data.sources import load_mnist5k_arrays
 from fedrobust.errors import SettingError
 from fedrobust.methods import METHODS
@@ -120,6 +122,20 @@ def _stateful_attack(config: dict[str, Any], attack: str,
   return built, triggered
 
 
+def typical_client_steps(counts, batch_size: int, epochs: int) -> int:
+  """The local iterations R_l a typical client runs in a round: the mean,
+  over clients, of epochs x ceil(n_k / B) (a client's padded batches past
+  its n_k examples are skipped), rounded, at least 1.
+
+  FLTrust's Alg. 1 (and the fine-tuning defense) train the server's model
+  for the clients' R_l; the engine's static step count is the LARGEST
+  client's, about twice the typical one under Dirichlet splits.
+  """
+  counts = np.asarray(counts, np.float64)
+  steps = epochs * np.ceil(counts[counts > 0] / batch_size)
+  return max(1, int(round(float(np.mean(steps))))) if steps.size else 1
+
+
 def build_threat(config: dict[str, Any], *, num_classes: int,
                  input_shape: tuple[int, ...], test_x: np.ndarray,
                  test_y: np.ndarray, validation: tuple[np.ndarray,
@@ -220,6 +236,20 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
           exclude_target=config['backdoor_eval'] == 'exclude_target',
           with_sources=True, dba_layout=kwargs.get('dba_layout', 'grid'),
           edge_images=edge_test if attack == 'edge_case' else None)
+  ratio = config.get('neurotoxin_mask', 0.0)
+  if ratio:
+    if poison is None:
+      raise ValueError(f'--neurotoxin_mask={ratio} masks the local gradients '
+                       "of a data attack's clients: it needs --attack set "
+                       f'to one of {sorted(attacks.DATA_ATTACKS)}')
+    if not 0.0 < ratio < 1.0:
+      raise ValueError(f'--neurotoxin_mask must be in [0, 1), got {ratio}')
+    if poison.grad_mask is not None:
+      raise ValueError(f'--attack={attack} masks its gradients already; '
+                       'set its own top_ratio in --attack_kwargs instead of '
+                       '--neurotoxin_mask')
+    poison = poison._replace(grad_mask=functools.partial(
+        neurotoxin_mask, top_ratio=float(ratio)))
   stateful = None
   if attack in attacks.STATEFUL_ATTACKS:
     stateful, triggered = _stateful_attack(
@@ -288,7 +318,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
     # Alg. 1 runs ModelUpdate(., D_0, b, beta, R_l) on both sides). With
     # a small U that is several passes over it; before 2026-11-24 the
     # server ran the clients' epochs instead (4 steps on 256 images
-    # against about 27 client steps).
+    # against about 27 client steps). client_steps is the typical client's
+    # count (typical_client_steps), not the largest client's.
     v = len(validation[1])
     steps = client_steps or -(-v // config['batch_size']) * config[
         'local_epochs']

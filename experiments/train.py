@@ -41,7 +41,7 @@ from experiments import config as config_lib
 from experiments import workdir as workdir_lib
 from experiments.devices import configure_cpu_devices
 from experiments.workdir import ConfigMismatchError, WorkdirError
-from experiments.threat import build_threat
+from experiments.threat import build_threat, typical_client_steps
 from fedrobust import adapt, aggregators
 from fedrobust.checkpoint import CheckpointError, Checkpointer
 from fedrobust.cohort import Cohort, split_roles
@@ -546,7 +546,9 @@ def build(config: dict[str, Any]) -> Program:
       validation=(setup.validation_x, setup.validation_y),
       cohorts=cohorts, delayed=delay is not None,
       group_sizes=aggregation_groups(cohorts, config),
-      client_steps=local.num_steps)
+      client_steps=typical_client_steps(setup.train.count,
+                                        config['batch_size'],
+                                        config['local_epochs']))
 
   spec = METHODS[config['method']]
   settings = config_lib.settings_of(config['method'], config)

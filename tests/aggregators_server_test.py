@@ -27,7 +27,7 @@ from fedrobust.aggregators.server_aided import SERVER_AIDED
 from fedrobust.models.pipelines import normalize
 
 # foolsgold_ids needs `ids`: the shared conformance suite
-# (aggregators_test.py) passes them.
+# (aggregators_test.py, whose NAMES include it) passes them.
 NAMES = sorted(set(SERVER_AIDED) - {'foolsgold_ids'})
 C = 4                    # real clients in the conformance rounds
 PAD_AT = (1, 4)          # where the padded layout adds two masked slots
@@ -204,6 +204,30 @@ class ConformanceTest(parameterized.TestCase):
       if not np.isfinite(bad):
         self.assertEqual(float(info['weights'][bad_slot]), 0.0)
     # Every call above reused the one trace (chex.assert_max_traces(n=1)).
+
+  # Rules whose output does not depend on the order of the clients
+  # (FoolsGold and FLDetector keep per-slot history: a permutation moves
+  # clients away from their history, so they are not symmetric per call).
+  # FLARE is symmetric up to ties in its MMD ranking, which it breaks by
+  # slot; on this linear model every client's penultimate-layer
+  # representation is the input itself, so all MMDs tie and it is left out.
+  SYMMETRIC = ('crfl', 'deepsight', 'finetune', 'fltrust', 'lasa', 'rlr',
+               'sageflow')
+
+  @parameterized.parameters(*SYMMETRIC)
+  def test_permuting_clients_changes_nothing(self, name):
+    agg, step = compiled(name, SLOTS)
+    x, mask = pad(honest(11))
+    x[3] = -3.0 * x[3]                     # one client unlike the others
+    perm = np.random.default_rng(4).permutation(SLOTS)
+    key = jax.random.key(5)
+    out, _, info = step(tree(x), jnp.asarray(mask), agg.init(PARAMS), key)
+    out_p, _, info_p = step(tree(x[perm]), jnp.asarray(mask[perm]),
+                            agg.init(PARAMS), key)
+    np.testing.assert_allclose(flat1(out_p), flat1(out), atol=1e-5,
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(info_p['weights']),
+                               np.asarray(info['weights'])[perm], atol=1e-5)
 
   def test_registry_and_missing_server_data(self):
     self.assertEqual(set(SERVER_AIDED), {

@@ -163,6 +163,35 @@ class ConformanceTest(parameterized.TestCase):
     none = np.asarray(fn(UPDATES, np.zeros(C, bool), MASK, KEY))
     np.testing.assert_array_equal(none, UPDATES)
 
+  @parameterized.product(label=sorted(CONFIGS),
+                         bad=('nan', '+inf', '-inf', '1e38'))
+  def test_attackers_stay_finite_beside_a_bad_benign_row(self, label, bad):
+    """A diverged honest client (NaN / Inf, or 1e38 coordinates whose
+    squares overflow) is left out of the attackers' statistics: their
+    rows stay finite and every other row comes back as sent."""
+    x = UPDATES.copy()
+    row = int(np.flatnonzero(BENIGN)[0])
+    x[row, ::2] = {'nan': np.nan, '+inf': np.inf, '-inf': -np.inf,
+                   '1e38': 1e38}[bad]
+    out = np.asarray(jitted(label)(x, MALICIOUS, MASK, KEY))
+    self.assertTrue(np.all(np.isfinite(out[ATTACKER])), out[ATTACKER])
+    np.testing.assert_array_equal(out[~ATTACKER], x[~ATTACKER])
+
+  @parameterized.named_parameters(*[(k, k) for k in CONFIGS])
+  def test_one_trace_for_every_round(self, label):
+    name, kwargs = CONFIGS[label]
+    attack = get_model_attack(name, **kwargs)
+
+    def step(x, malicious, mask, key):
+      return attack.apply(x, malicious, mask, key)
+    step.__name__ = f'attack_step_{label}'
+    step = jax.jit(chex.assert_max_traces(step, n=1))
+    for seed in range(3):               # new values, attackers and mask
+      rng = np.random.default_rng(seed)
+      malicious = MALICIOUS if seed != 1 else np.roll(MALICIOUS, 1)
+      step(make_updates(seed), malicious, MASK | (rng.random(C) < 0.5),
+           jax.random.key(seed))
+
   def test_no_retrace_across_rounds(self):
     attack = get_model_attack('min_max')
 
@@ -176,6 +205,9 @@ class ConformanceTest(parameterized.TestCase):
 
   def test_registry(self):
     self.assertEqual(set(MODEL_ATTACKS), set(NEEDS_BENIGN))
+    # Every registered model attack runs under the conformance tests.
+    self.assertEqual({name for name, _ in CONFIGS.values()},
+                     set(MODEL_ATTACKS))
     self.assertTrue(set(MODEL_ATTACKS) <= set(ATTACKS))
     for name, factory in MODEL_ATTACKS.items():
       attack = factory()

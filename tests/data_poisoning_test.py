@@ -303,5 +303,118 @@ class ThreatHookTest(absltest.TestCase):
         {'det_tp': 1.0, 'det_fp': 1.0, 'det_fn': 1.0, 'det_tn': 1.0})
 
 
+
+# ----------------------------------------------------------------------------
+# Conformance: the same checks for every DATA_ATTACKS entry.
+# ----------------------------------------------------------------------------
+
+FRACTION = 0.5
+
+
+def _text_batch(n=8, length=16, seed=0):
+  """Token ids [n, length]: [CLS] words [SEP] then padding, labels {0, 1}."""
+  rng = np.random.default_rng(seed)
+  x = np.zeros((n, length), np.int32)
+  for i in range(n):
+    words = int(rng.integers(3, length - 1))
+    x[i, 0] = dp.CLS_ID
+    x[i, 1:words + 1] = rng.integers(1000, 2000, words)
+    x[i, words + 1] = dp.SEP_ID
+  return (jnp.asarray(x), jnp.asarray(rng.integers(0, 2, n), jnp.int32),
+          jnp.arange(n, dtype=jnp.int32))
+
+
+# name -> (builder, num_classes, target (None: no fixed target), text)
+_EDGE = np.random.default_rng(5).integers(0, 256, (5, *SHAPE), np.uint8)
+CONFORMANCE = {
+    'label_flip': (lambda: dp.label_flip(num_classes=10,
+                                         poison_fraction=FRACTION), 10,
+                   None, False),
+    'badnets': (lambda: attacks.DATA_ATTACKS['badnets'](
+        image_shape=SHAPE, target_label=2, poison_fraction=FRACTION), 10, 2,
+                False),
+    'dba': (lambda: attacks.DATA_ATTACKS['dba'](
+        image_shape=SHAPE, target_label=2, poison_fraction=FRACTION), 10, 2,
+            False),
+    'blended': (lambda: dp.blended(image_shape=SHAPE, target_label=2,
+                                   poison_fraction=FRACTION), 10, 2, False),
+    'edge_case': (lambda: dp.edge_case(image_shape=SHAPE, edge_images=_EDGE,
+                                       target_label=2,
+                                       poison_fraction=FRACTION), 10, 2,
+                  False),
+    'neurotoxin': (lambda: dp.neurotoxin(image_shape=SHAPE, target_label=2,
+                                         poison_fraction=FRACTION), 10, 2,
+                   False),
+    'alternating_min': (lambda: dp.alternating_min(
+        image_shape=SHAPE, target_label=2, poison_fraction=FRACTION), 10, 2,
+                        False),
+    'trigger_token': (lambda: dp.trigger_token(target_label=1,
+                                               poison_fraction=FRACTION), 2,
+                      1, True),
+}
+
+
+class DataAttackConformanceTest(parameterized.TestCase):
+  """Every data attack, through the batch transform the client runs:
+  shapes and dtypes kept, rows past the poisoned share (and padded rows
+  past the client's count) untouched, labels in range, poisoned rows sent
+  to the target, deterministic, and one trace for any count / rank."""
+
+  def test_every_registered_data_attack_is_covered(self):
+    self.assertEqual(set(CONFORMANCE), set(attacks.DATA_ATTACKS))
+
+  @parameterized.parameters(*sorted(CONFORMANCE))
+  def test_batch_transform(self, name):
+    build, num_classes, target, text = CONFORMANCE[name]
+    poison = build()
+    self.assertIsInstance(poison, dp.DataPoison)
+    x, y, rows = _text_batch() if text else batch()
+    y = y % num_classes
+    # alternating_min's usual steps are clean; its malicious phase poisons.
+    transforms = [('apply', poison.apply)]
+    if poison.alternating is not None:
+      transforms.append(('alternating', poison.alternating.apply))
+    for label, transform in transforms:
+      def call(x, y, rows, count, rank, transform=transform):
+        return transform(x, y, rows, count, rank)
+      call.__name__ = f'data_attack_{name}_{label}'
+      fn = jax.jit(chex.assert_max_traces(call, n=1))
+      poisoned_any = False
+      for count, rank in ((6, 0), (8, 3), (5, 1)):
+        limit = int(round(FRACTION * count))
+        out_x, out_y = fn(x, y, rows, jnp.int32(count), jnp.int32(rank))
+        again = fn(x, y, rows, jnp.int32(count), jnp.int32(rank))
+        chex.assert_trees_all_equal((out_x, out_y), again)
+        chex.assert_trees_all_equal_shapes_and_dtypes((out_x, out_y),
+                                                      (x, y))
+        out_x, out_y = np.asarray(out_x), np.asarray(out_y)
+        self.assertTrue(np.all((out_y >= 0) & (out_y < num_classes)))
+        clean = np.asarray(rows) >= limit
+        np.testing.assert_array_equal(out_x[clean], np.asarray(x)[clean])
+        np.testing.assert_array_equal(out_y[clean], np.asarray(y)[clean])
+        hit = ~clean
+        changed = np.any(out_x[hit] != np.asarray(x)[hit]) or np.any(
+            out_y[hit] != np.asarray(y)[hit])
+        if label == 'apply' and poison.alternating is not None:
+          self.assertFalse(changed, f'{name}: the usual steps are clean')
+          continue
+        poisoned_any |= bool(changed)
+        if target is not None:
+          np.testing.assert_array_equal(out_y[hit], target)
+        else:                               # symmetric label flip
+          np.testing.assert_array_equal(out_y[hit],
+                                        num_classes - 1 - np.asarray(y)[hit])
+      if not (label == 'apply' and poison.alternating is not None):
+        self.assertTrue(poisoned_any, f'{name}/{label} changed nothing')
+    if poison.grad_mask is not None:         # Neurotoxin's projection
+      grads = {'w': jnp.asarray(np.random.default_rng(1).normal(
+          size=(10, 10)), jnp.float32)}
+      mask = np.asarray(poison.grad_mask(grads)['w'])
+      self.assertTrue(np.all((mask == 0) | (mask == 1)))
+      self.assertBetween(float(np.mean(mask == 0)), 0.05, 0.2)
+      big = np.abs(np.asarray(grads['w'])) >= np.quantile(
+          np.abs(np.asarray(grads['w'])), 0.9)
+      np.testing.assert_array_equal(mask[big], 0)
+
 if __name__ == '__main__':
   absltest.main()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 from absl.testing import absltest
 import jax
@@ -624,6 +625,35 @@ class EndToEndTest(IdxDataTestCase):
         validation_fraction=0.1, validation_size=16, num_rounds=2))
     self.assertEqual(summary['rounds_completed'], 2)
     self.assertTrue(np.isfinite(summary['final']['test_accuracy']))
+
+  def test_server_trained_rules_get_the_typical_clients_steps(self):
+    """FLTrust's server runs the R_l of a typical client (the mean of the
+    clients' real step counts), not the padded maximum (issue 17, fix 5)."""
+    seen = {}
+    real_steps = train.typical_client_steps
+
+    def steps_spy(counts, batch_size, epochs):
+      seen['counts'] = np.asarray(counts)
+      seen['steps'] = real_steps(counts, batch_size, epochs)
+      return seen['steps']
+
+    def threat_spy(*args, **kwargs):
+      seen['client_steps'] = kwargs['client_steps']
+      raise InterruptedError('stop after the wiring')
+
+    config = base_config(self.data_dir, self.create_tempdir().full_path,
+                         aggregator='fltrust', validation_fraction=0.1,
+                         validation_size=16, partition='quantity_skew',
+                         quantity_alpha=0.5, batch_size=16, local_epochs=2)
+    with mock.patch.object(train, 'typical_client_steps', steps_spy), \
+        mock.patch.object(train, 'build_threat', threat_spy):
+      with self.assertRaises(InterruptedError):
+        train.run(config)
+    counts = seen['counts']
+    self.assertGreater(counts.max(), counts.min())     # a skewed split
+    self.assertEqual(seen['client_steps'], seen['steps'])
+    self.assertEqual(seen['steps'], round(np.mean(2 * np.ceil(counts / 16))))
+    self.assertLess(seen['steps'], 2 * np.ceil(counts.max() / 16))
 
   def test_threat_validation_names_flags(self):
     cases = [

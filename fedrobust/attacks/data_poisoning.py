@@ -362,6 +362,8 @@ def blend_pattern(image_shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 
 def blend(x, pattern, alpha: float):
+  # Explicit leading axes: x may be one image or a batch of them.
+  pattern = pattern.reshape((1,) * (x.ndim - pattern.ndim) + pattern.shape)
   mixed = (1 - alpha) * x.astype(jnp.float32) + alpha * pattern.astype(
       jnp.float32)
   return jnp.clip(jnp.round(mixed), 0, 255).astype(jnp.uint8)

@@ -22,7 +22,7 @@ from fedrobust.attacks.agr_tailored import (crafted_sq_distances,
                                             krum_scores, krum_selects)
 from fedrobust.attacks.model_poisoning import (
     ModelAttack, benign_sq_distances, benign_stats, check_count,
-    check_positive, invalid, line_distances, replace_malicious)
+    check_positive, invalid, line_distances, replace_malicious, usable_rows)
 
 REFERENCES = ('global', 'benign_mean')
 
@@ -84,7 +84,7 @@ def fang_trim(*, b: float = 2.0) -> ModelAttack:
     raise invalid('fang_trim', 'b', f'must be > 1, got {b!r}')
 
   def apply(updates, is_malicious, mask, key):
-    benign = mask & ~is_malicious
+    benign = mask & ~is_malicious & usable_rows(updates)
     lo, hi = trim_intervals(updates, benign, b)
     u = jax.random.uniform(key, updates.shape, updates.dtype)
     crafted = lo[None, :] + u * (hi - lo)[None, :]

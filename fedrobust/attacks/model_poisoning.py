@@ -8,7 +8,11 @@
 Every row with `mask & is_malicious` is replaced by a malicious update; every
 other row comes back bit-identical (a `jnp.where`, never arithmetic). Benign
 statistics are taken over the rows with `mask & ~is_malicious` only, so a
-masked slot never changes a result, even when it holds NaN. The number of
+masked slot never changes a result, even when it holds NaN. A benign row the
+attackers' arithmetic cannot use (NaN, Inf, or a squared norm past float32's
+range, e.g. 1e38 coordinates: `usable_rows`) is left out of their statistics
+as well, as every robust rule drops it: a diverged honest client does not
+turn the attackers' rows into NaN. The number of
 real clients n = sum(mask) and of real attackers m = sum(mask & is_malicious)
 are traced; shapes are static and no Python `if` looks at a traced value.
 
@@ -126,14 +130,21 @@ def check_knowledge(attack: str, knowledge: str) -> None:
                   f'{knowledge!r}')
 
 
+def usable_rows(updates: jax.Array) -> jax.Array:
+  """bool[C]: rows whose squared norm is finite in float32 (no NaN or Inf,
+  and no coordinate so large that squared distances overflow)."""
+  sq = jnp.sum(jnp.square(updates.astype(jnp.float32)), axis=1)
+  return jnp.isfinite(sq)
+
+
 def benign_stats(updates: jax.Array, is_malicious: jax.Array,
                  mask: jax.Array, knowledge: str = 'omniscient'
                  ) -> BenignStats:
   """Counts, coordinate-wise mean and std of the benign rows.
 
   Rows outside `benign` are selected away before any arithmetic, so NaN or
-  Inf in a masked slot (or in an attacker's own row) never leaks in. The
-  std is two-pass (centered), which keeps precision when all updates share a
+  Inf in a masked slot (or in an attacker's own row) never leaks in; nor
+  does a benign row that is not `usable_rows`. The std is two-pass (centered), which keeps precision when all updates share a
   large component.
 
   With knowledge='partial' (the NDSS'21 partial-knowledge threat model)
@@ -152,6 +163,7 @@ def benign_stats(updates: jax.Array, is_malicious: jax.Array,
   """
   attacker = mask & is_malicious
   benign = attacker if knowledge == 'partial' else mask & ~is_malicious
+  benign = benign & usable_rows(updates)
   dtype = updates.dtype
   n = jnp.sum(mask).astype(dtype)
   m = jnp.sum(attacker).astype(dtype)
