@@ -194,3 +194,50 @@ def test_a_diverged_run_is_a_failure_not_its_last_accuracy(tmp_path):
   assert sweep.finished(write('partial', rounds_completed=3,
                               status='running')) is None
   assert sweep.finished(str(tmp_path / 'absent')) is None
+
+
+def test_merge_keeps_each_cell_once_and_marks_cells(tmp_path):
+  """--merge tabulates earlier sweeps' CSVs; --marks flags cells."""
+  first = tmp_path / 'a.csv'
+  first.write_text('attack,aggregator,test_accuracy,status,note\n'
+                   'lie,mean,0.80,ok,\nlie,krum,0.64,ok,\n'
+                   'lie,bulyan,,error,needs n >= 4f+3\n')
+  second = tmp_path / 'b.csv'
+  second.write_text('attack,aggregator,test_accuracy,cumulative_'
+                    'detection_recall,status,note\n'
+                    'lie,krum,0.99,1.0,ok,\nfang_trim,flare,0.72,0.5,ok,\n')
+  rows, keys = sweep.merged_rows([str(first), str(second)],
+                                 ['test_accuracy',
+                                  'cumulative_detection_recall'])
+  assert keys == ['attack', 'aggregator', 'source']
+  cells = {(r['attack'], r['aggregator']): r for r in rows}
+  assert len(rows) == 4                       # lie/krum kept once
+  assert cells[('lie', 'krum')]['test_accuracy'] == pytest.approx(0.64)
+  assert cells[('lie', 'krum')]['source'] == 'a'
+  assert cells[('lie', 'krum')]['cumulative_detection_recall'] is None
+  assert cells[('fang_trim', 'flare')]['cumulative_detection_recall'] == (
+      pytest.approx(0.5))
+  assert cells[('lie', 'bulyan')]['status'] == 'error'
+  marks_path = tmp_path / 'marks.json'
+  marks_path.write_text(json.dumps({'aggregator=krum': 'one client kept',
+                                    'attack=x;aggregator=mean': 'unused'}))
+  marks = sweep.load_marks(str(marks_path))
+  assert sweep.mark_of(cells[('lie', 'krum')], marks) == 1
+  assert sweep.mark_of(cells[('lie', 'mean')], marks) == 0
+  bad = tmp_path / 'bad.json'
+  bad.write_text(json.dumps({'krum': 'no flag'}))
+  with pytest.raises(ValueError, match='flag=v'):
+    sweep.load_marks(str(bad))
+  # The table: the mark beside the first metric, the reason below.
+  sweep.FLAGS(['sweep', '--name=merged', f'--out={tmp_path}',
+               f'--marks={marks_path}'])
+  try:
+    sweep.write_outputs('merged', rows, keys, ['test_accuracy'])
+  finally:
+    sweep.FLAGS.unparse_flags()
+  table = (tmp_path / 'merged.md').read_text()
+  assert '| lie | krum | a | 64.00 (!1) |' in table
+  assert '1. aggregator=krum: one client kept' in table
+  assert 'unused' not in table
+  assert 'implausible: one client kept' in (tmp_path / 'merged.csv'
+                                            ).read_text()
