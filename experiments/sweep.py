@@ -75,6 +75,10 @@ flags.DEFINE_string('merge', '', 'Comma-separated CSVs written by earlier '
                     'nothing (key columns: neither a --metrics column nor '
                     'status/note; a "source" column names each row\'s CSV; '
                     'a cell in several CSVs is kept once, from the first).')
+flags.DEFINE_string('merge_defaults', '', "With --merge: 'flag=v;flag2=v2', "
+                    'the value of a key column for the rows of a CSV that '
+                    'lacks it (e.g. attack=badnets for a sweep that varied '
+                    'only the rule); otherwise "-".')
 flags.DEFINE_string('marks', None, 'JSON file {"flag=v;flag2=v2": "why"}: '
                     'cells marked implausible against the literature; the '
                     'table marks them and lists the reasons below it (a '
@@ -295,9 +299,12 @@ def mark_of(row: dict, marks: list[tuple[dict[str, str], str]]) -> int:
   return 0
 
 
-def merged_rows(paths: list[str], metrics: list[str]
+def merged_rows(paths: list[str], metrics: list[str],
+                defaults: dict[str, str] | None = None
                 ) -> tuple[list[dict], list[str]]:
-  """(rows, key columns) of several sweep CSVs, each row once."""
+  """(rows, key columns) of several sweep CSVs, each row once; a key a
+  CSV lacks takes defaults[key], else '-'."""
+  defaults = defaults or {}
   rows, keys, seen = [], [], {}
   for path in paths:
     with open(path, newline='') as f:
@@ -317,15 +324,15 @@ def merged_rows(paths: list[str], metrics: list[str]
         rows.append(row)
   out = []
   for row in rows:
-    ident = tuple(row.get(k, '-') for k in keys)
+    for k in keys:
+      row.setdefault(k, defaults.get(k, '-'))
+    ident = tuple(row[k] for k in keys)
     if ident in seen:
       first = seen[ident]
       if first.get(metrics[0]) != row.get(metrics[0]):
         print(f'merge: {ident} differs between {first["source"]} and '
               f'{row["source"]}; keeping {first["source"]}', flush=True)
       continue
-    for k in keys:
-      row.setdefault(k, '-')
     seen[ident] = row
     out.append(row)
   return out, keys + ['source']
@@ -481,8 +488,15 @@ def main(argv):
       raise app.UsageError('--merge tabulates earlier CSVs: give no --grid '
                            'or --reference')
     metrics = [m.strip() for m in FLAGS.metrics.split(',') if m.strip()]
+    defaults = {}
+    for part in filter(None, FLAGS.merge_defaults.split(';')):
+      key, sep, value = part.partition('=')
+      if not sep:
+        raise app.UsageError(f'--merge_defaults: {part!r} is not flag=v')
+      defaults[key.strip()] = value.strip()
     results, keys = merged_rows(
-        [p.strip() for p in FLAGS.merge.split(',') if p.strip()], metrics)
+        [p.strip() for p in FLAGS.merge.split(',') if p.strip()], metrics,
+        defaults)
     write_outputs(FLAGS.name, results, keys, metrics)
     if FLAGS.pivot:
       row_key, col_key = FLAGS.pivot.split(',')

@@ -218,6 +218,16 @@ def test_merge_keeps_each_cell_once_and_marks_cells(tmp_path):
   assert cells[('fang_trim', 'flare')]['cumulative_detection_recall'] == (
       pytest.approx(0.5))
   assert cells[('lie', 'bulyan')]['status'] == 'error'
+  # A CSV without a key column: its rows take the given default.
+  third = tmp_path / 'c.csv'
+  third.write_text('aggregator,test_accuracy,status,note\nmean,0.81,ok,\n'
+                   'krum,0.67,ok,\n')
+  rows3, _ = sweep.merged_rows([str(third), str(first)], ['test_accuracy'],
+                               {'attack': 'lie'})
+  assert {(r['attack'], r['aggregator'], r['source']) for r in rows3} == {
+      ('lie', 'mean', 'c'), ('lie', 'krum', 'c'), ('lie', 'bulyan', 'a')}
+  rows4, _ = sweep.merged_rows([str(third), str(first)], ['test_accuracy'])
+  assert {r['attack'] for r in rows4 if r['source'] == 'c'} == {'-'}
   marks_path = tmp_path / 'marks.json'
   marks_path.write_text(json.dumps({'aggregator=krum': 'one client kept',
                                     'attack=x;aggregator=mean': 'unused'}))
