@@ -74,7 +74,10 @@ flags.DEFINE_string('merge', '', 'Comma-separated CSVs written by earlier '
                     'sweeps: tabulate their rows together as --name, runs '
                     'nothing (key columns: neither a --metrics column nor '
                     'status/note; a "source" column names each row\'s CSV; '
-                    'a cell in several CSVs is kept once, from the first).')
+                    'a cell in several CSVs is kept once, from the first). '
+                    "An entry 'PATH#flag=v;flag2=v2' gives the key values "
+                    'its CSV lacks (e.g. #attack=3dfed for a sweep that set '
+                    'the attack in --base_flags).')
 flags.DEFINE_string('merge_defaults', '', "With --merge: 'flag=v;flag2=v2', "
                     'the value of a key column for the rows of a CSV that '
                     'lacks it (e.g. attack=badnets for a sweep that varied '
@@ -299,20 +302,36 @@ def mark_of(row: dict, marks: list[tuple[dict[str, str], str]]) -> int:
   return 0
 
 
-def merged_rows(paths: list[str], metrics: list[str],
+def parse_assignments(text: str, what: str) -> dict[str, str]:
+  """'flag=v;flag2=v2' -> {flag: v}."""
+  out = {}
+  for part in filter(None, text.split(';')):
+    key, sep, value = part.partition('=')
+    if not sep or not key.strip():
+      raise ValueError(f'{what}: {part!r} is not flag=v')
+    out[key.strip()] = value.strip()
+  return out
+
+
+def merged_rows(sources: list, metrics: list[str],
                 defaults: dict[str, str] | None = None
                 ) -> tuple[list[dict], list[str]]:
-  """(rows, key columns) of several sweep CSVs, each row once; a key a
-  CSV lacks takes defaults[key], else '-'."""
+  """(rows, key columns) of several sweep CSVs, each row once.
+
+  sources: CSV paths, or (path, {key: value}) with the key values that
+  CSV lacks. A key a CSV lacks takes its own value, else defaults[key],
+  else '-'.
+  """
   defaults = defaults or {}
   rows, keys, seen = [], [], {}
-  for path in paths:
+  for source in sources:
+    path, own = (source, {}) if isinstance(source, str) else source
     with open(path, newline='') as f:
       reader = csv.DictReader(f)
       cols = [c for c in reader.fieldnames or ()
               if c not in metrics and c not in ('status', 'note', 'source')
               and not c.startswith('paper_')]
-      keys += [c for c in cols if c not in keys]
+      keys += [c for c in list(cols) + list(own) if c not in keys]
       for raw in reader:
         row = {c: raw[c] for c in cols}
         row['status'] = raw.get('status') or 'ok'
@@ -321,6 +340,8 @@ def merged_rows(paths: list[str], metrics: list[str],
           v = raw.get(m)
           row[m] = float(v) if v not in (None, '') else None
         row['source'] = os.path.splitext(os.path.basename(path))[0]
+        for k, v in own.items():
+          row.setdefault(k, v)
         rows.append(row)
   out = []
   for row in rows:
@@ -488,15 +509,12 @@ def main(argv):
       raise app.UsageError('--merge tabulates earlier CSVs: give no --grid '
                            'or --reference')
     metrics = [m.strip() for m in FLAGS.metrics.split(',') if m.strip()]
-    defaults = {}
-    for part in filter(None, FLAGS.merge_defaults.split(';')):
-      key, sep, value = part.partition('=')
-      if not sep:
-        raise app.UsageError(f'--merge_defaults: {part!r} is not flag=v')
-      defaults[key.strip()] = value.strip()
-    results, keys = merged_rows(
-        [p.strip() for p in FLAGS.merge.split(',') if p.strip()], metrics,
-        defaults)
+    defaults = parse_assignments(FLAGS.merge_defaults, '--merge_defaults')
+    sources = []
+    for entry in filter(None, (e.strip() for e in FLAGS.merge.split(','))):
+      path, _, own = entry.partition('#')
+      sources.append((path, parse_assignments(own, '--merge')))
+    results, keys = merged_rows(sources, metrics, defaults)
     write_outputs(FLAGS.name, results, keys, metrics)
     if FLAGS.pivot:
       row_key, col_key = FLAGS.pivot.split(',')

@@ -485,6 +485,28 @@ class DefinitionTest(parameterized.TestCase):
     far = np.sqrt(((mal[None] - own)**2).sum(1)).max()
     self.assertLessEqual(far, bound * (1 + 1e-5))
     self.assertGreater(far, 0.5 * bound)
+    # IPM: -epsilon times the attackers' own mean.
+    ipm_rows = np.asarray(get_model_attack('ipm', knowledge='partial').apply(
+        UPDATES, MALICIOUS, MASK, KEY))[ATTACKER]
+    for row in ipm_rows:
+      np.testing.assert_allclose(row, -0.5 * own.mean(0), rtol=1e-5,
+                                 atol=1e-6)
+    # min-sum: the sum of squared distances to the attackers' own rows is
+    # within the smallest own score sum, and the benign rows are unread:
+    # moving them changes nothing.
+    attack = get_model_attack('min_sum', knowledge='partial')
+    mal = np.asarray(attack.apply(UPDATES, MALICIOUS, MASK, KEY))[ATTACKER]
+    bound = sq_dists(own).sum(1).min()
+    self.assertLessEqual(((mal[0].astype(np.float64)[None] - own)**2).sum(),
+                         bound * (1 + 1e-4))
+    moved = UPDATES.copy()
+    moved[BENIGN] += 3.0
+    for name in ('lie', 'ipm', 'min_max', 'min_sum'):
+      a = get_model_attack(name, knowledge='partial')
+      np.testing.assert_allclose(
+          np.asarray(a.apply(moved, MALICIOUS, MASK, KEY))[ATTACKER],
+          np.asarray(a.apply(UPDATES, MALICIOUS, MASK, KEY))[ATTACKER],
+          rtol=1e-6, atol=1e-6, err_msg=name)
     with self.assertRaisesRegex(SettingError, 'knowledge'):
       get_model_attack('ipm', knowledge='all')
 

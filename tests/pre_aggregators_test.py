@@ -121,6 +121,29 @@ class GoldenTest(absltest.TestCase):
                                                        num_clients=8))
 
 
+  def test_rules_that_read_the_global_model_compose(self):
+    """FLAME reads the global model (`params`), which mixing leaves as it
+    is: nnm + FLAME equals FLAME on NNM's mixed rows."""
+    x = updates(4)
+    params = {'w': jnp.zeros((D,), jnp.float32)}
+    pre = get_pre_aggregator('nnm', num_byzantine=F)
+    flame = get_aggregator('flame', num_byzantine=F, gamma=0.0)
+    agg = compose(pre, flame)
+    self.assertIn('params', agg.reads)
+    out, _, info = call_aggregator(agg, {'w': jnp.asarray(x)},
+                                   jnp.asarray(MASK), (), KEY,
+                                   params=params, coverage=None)
+    pre_key, rule_key = jax.random.split(KEY)
+    mixed = pre.apply(jnp.asarray(x), jnp.asarray(MASK), pre_key)
+    want, _, want_info = call_aggregator(flame, {'w': mixed.flat},
+                                         mixed.mask, (), rule_key,
+                                         params=params, coverage=None)
+    np.testing.assert_allclose(out['w'], want['w'], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(info['weights'], mixed.back(
+        want_info['weights']), rtol=1e-6, atol=1e-7)
+    self.assertTrue(np.all(np.isfinite(np.asarray(out['w']))))
+
+
 class ConformanceTest(parameterized.TestCase):
 
   @parameterized.product(pre=sorted(PRE_AGGREGATORS),

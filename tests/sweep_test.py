@@ -228,6 +228,14 @@ def test_merge_keeps_each_cell_once_and_marks_cells(tmp_path):
       ('lie', 'mean', 'c'), ('lie', 'krum', 'c'), ('lie', 'bulyan', 'a')}
   rows4, _ = sweep.merged_rows([str(third), str(first)], ['test_accuracy'])
   assert {r['attack'] for r in rows4 if r['source'] == 'c'} == {'-'}
+  # A CSV's own key values win over the defaults.
+  rows5, _ = sweep.merged_rows([(str(third), {'attack': '3dfed'}),
+                                str(first)], ['test_accuracy'],
+                               {'attack': 'lie'})
+  assert {r['attack'] for r in rows5 if r['source'] == 'c'} == {'3dfed'}
+  assert sweep.parse_assignments('a=1; b = x', 'w') == {'a': '1', 'b': 'x'}
+  with pytest.raises(ValueError, match='is not flag=v'):
+    sweep.parse_assignments('a', 'w')
   marks_path = tmp_path / 'marks.json'
   marks_path.write_text(json.dumps({'aggregator=krum': 'one client kept',
                                     'attack=x;aggregator=mean': 'unused'}))

@@ -173,10 +173,12 @@ def get_pre_aggregator(name: str, **kwargs) -> PreAggregator:
 
 def compose(pre: PreAggregator, rule: Aggregator) -> Aggregator:
   """The rule run on pre's output. The rule may read `weights` (a
-  bucket's weight is the sum of its members') and `coverage` when every
-  client owns every coordinate (None); a mixed or bucketed slot has no
-  single client's id, partial coverage or staleness."""
-  extra = sorted(set(rule.reads) - {'weights', 'coverage'})
+  bucket's weight is the sum of its members'), `coverage` when every
+  client owns every coordinate (None) and `params`, the global model,
+  which mixing leaves as it is (FLAME, DeepSight, FLARE, Horus); a mixed
+  or bucketed slot has no single client's id, score, partial coverage or
+  staleness, so rules that read those are refused."""
+  extra = sorted(set(rule.reads) - {'weights', 'coverage', 'params'})
   if extra:
     raise SettingError('pre_aggregator', f'{pre.name} mixes client updates; '
                        f'the rule reads {extra}, which a mixed slot does '
@@ -190,6 +192,8 @@ def compose(pre: PreAggregator, rule: Aggregator) -> Aggregator:
     inner = jax.vmap(unravel_like, in_axes=(0, None))(mixed.flat,
                                                        first_client(updates))
     inner_extras = {}
+    if 'params' in rule.reads:
+      inner_extras['params'] = extras['params']
     if 'coverage' in rule.reads:
       if extras.get('coverage') is not None:
         raise SettingError('pre_aggregator', f'{pre.name} mixes client '
