@@ -19,8 +19,8 @@ Robustness notes:
     (src/runner.sh: theta = 4 with 1 corrupt agent of 10 on Fashion-MNIST,
     8 with 4 of 40 on CIFAR-10, 8 on FEMNIST with about 34 agents and 3.4
     corrupt a round); f + 1 is the smallest such value, not the release's
-    (give `threshold` to run theirs). The effective theta is clamped to n (the real
-    clients of the round), so a unanimous coordinate is never flipped when
+    (give `threshold` to run theirs). The effective theta is clamped to
+    n (the real clients of the round), so a unanimous coordinate is never flipped when
     few clients take part (the paper assumes theta <= n).
   * Cannot guarantee: bounded magnitude. The step is a (sign-corrected)
     mean, so one finite 1e30 client moves it by 1e30 / n; RLR targets
