@@ -255,6 +255,42 @@ def finished(workdir: str) -> tuple[str, str] | None:
   return None
 
 
+CELL_RECORD = 'sweep_cell.json'
+
+
+def cell_flags_record(cell_args: list[str]) -> dict:
+  """What a cell runs with: its main.py arguments and the text of the base
+  flagfile (a changed file changes the run as much as a changed flag)."""
+  args = FLAGS.base_flags.split() + list(cell_args)
+  text = None
+  if FLAGS.base_flagfile:
+    with open(os.path.join(ROOT, FLAGS.base_flagfile)
+              if not os.path.isabs(FLAGS.base_flagfile)
+              else FLAGS.base_flagfile) as f:
+      text = f.read()
+  return {'base_flagfile': FLAGS.base_flagfile or None,
+          'base_flagfile_text': text, 'args': args}
+
+
+def changed_flags(workdir: str, record: dict) -> str | None:
+  """How a finished cell's recorded flags differ from `record`; None when
+  they agree or the cell predates the record."""
+  path = os.path.join(workdir, CELL_RECORD)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    old = json.load(f)
+  if old == record:
+    return None
+  if old.get('base_flagfile_text') != record['base_flagfile_text']:
+    return (f"--base_flagfile {record['base_flagfile']!r} is not the file "
+            f"it ran with ({old.get('base_flagfile')!r})")
+  before, now = old.get('args', []), record['args']
+  gone = [a for a in before if a not in now]
+  new = [a for a in now if a not in before]
+  return f'it ran with {gone or "[]"}, this sweep asks for {new or "[]"}'
+
+
 def run_cell(cell_args: list[str], workdir: str) -> tuple[str, str]:
   """Runs (or resumes) one cell; returns (status, message)."""
   cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'main.py')]
@@ -263,6 +299,9 @@ def run_cell(cell_args: list[str], workdir: str) -> tuple[str, str]:
   cmd += FLAGS.base_flags.split()
   cmd += cell_args
   cmd.append(f'--workdir={workdir}')
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, CELL_RECORD), 'w') as f:
+    json.dump(cell_flags_record(cell_args), f)
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
   if proc.returncode == 0:
     return 'ok', ''
@@ -531,6 +570,22 @@ def main(argv):
     paper, _, table = FLAGS.reference.partition(':')
     paper_rows = reference.load(paper, table)
   results = []
+  # A finished cell is reused only with the flags it ran with: the same
+  # --runs_name with other --base_flags (or an edited flagfile) would
+  # otherwise read old runs as new results.
+  stale = []
+  for cell in cells:
+    workdir = os.path.join(FLAGS.runs_dir, FLAGS.runs_name or FLAGS.name,
+                           cell_name(cell))
+    why = finished(workdir) and changed_flags(
+        workdir, cell_flags_record(cell_flags(cell, axes)))
+    if why:
+      stale.append(f'{workdir}: {why}')
+  if stale:
+    raise app.UsageError(
+        f'--runs_name: {len(stale)} finished cell(s) ran with other flags; '
+        'pass another --runs_name (or delete them) to run this sweep:\n  '
+        + '\n  '.join(stale))
   for i, cell in enumerate(cells):
     workdir = os.path.join(FLAGS.runs_dir, FLAGS.runs_name or FLAGS.name,
                            cell_name(cell))

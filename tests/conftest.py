@@ -6,7 +6,9 @@ silent broadcasting.
 """
 
 import gc
+import importlib.util
 import os
+import tempfile
 
 import pytest
 
@@ -15,6 +17,29 @@ if _FLAG.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' +
                              _FLAG).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+# A persistent compilation cache shared by the xdist workers and by the
+# experiments/main.py subprocesses the end-to-end tests start (they
+# inherit the environment). The suite compiles the same programs many
+# times: a kill-and-resume test compiles its round in the straight run,
+# the killed run and the resumed one, and the fixture below drops every
+# module's programs when it ends. Every program is cached, however small:
+# a FedHAN run compiles about 170, of which the round step takes 13 s and
+# the other 169 another 24 s. The key covers the program, the jax/jaxlib
+# version, the XLA flags and the devices, so an entry never serves another
+# build. The size bound makes JAX lock the cache (filelock, in the test
+# extra), so no worker reads an entry another is still writing.
+# FEDROBUST_TEST_COMPILE_CACHE=0 turns it off; a JAX_COMPILATION_CACHE_DIR
+# of your own is kept.
+if (os.environ.get('FEDROBUST_TEST_COMPILE_CACHE', '1') != '0' and
+    importlib.util.find_spec('filelock') is not None):
+  os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
+      tempfile.gettempdir(), f'fedrobust-test-jax-cache-{os.getuid()}'))
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+  # Least recently used entries go past 2 GiB (a full suite writes about
+  # 150 MiB).
+  os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(2 << 30))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags

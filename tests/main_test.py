@@ -693,8 +693,8 @@ class EndToEndTest(IdxDataTestCase):
 
   def test_kill_dash_nine_then_resume_is_bitwise_exact(self):
     config = base_config(self.data_dir, self.create_tempdir().full_path,
-                         num_rounds=150, eval_every=50, local_epochs=2)
-    reference = train.run(dict(config, checkpoint_every=150))
+                         num_rounds=40, eval_every=20, local_epochs=2)
+    reference = train.run(dict(config, checkpoint_every=40))
     workdir = self.create_tempdir().full_path
     resumed = kill_and_resume(self, dict(config, workdir=workdir), 5)
     self.assertEqual(resumed['params_sha256'], reference['params_sha256'])

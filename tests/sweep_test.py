@@ -259,3 +259,47 @@ def test_merge_keeps_each_cell_once_and_marks_cells(tmp_path):
   assert 'unused' not in table
   assert 'implausible: one client kept' in (tmp_path / 'merged.csv'
                                             ).read_text()
+
+
+def test_a_finished_cell_is_reused_only_with_its_own_flags(tmp_path):
+  """Re-running a sweep under the same --runs_name with other base flags
+  (or an edited flagfile) is refused before anything runs, naming the
+  cell and the flags; with the same flags the finished cell is reused."""
+  flagfile = tmp_path / 'base.flags'
+  flagfile.write_text('--num_rounds=5\n')
+  runs = tmp_path / 'runs'
+
+  def sweep_with(base_flags):
+    sweep.FLAGS(['sweep', '--name=s', f'--out={tmp_path}',
+                 f'--runs_dir={runs}', f'--base_flagfile={flagfile}',
+                 f'--base_flags={base_flags}', '--grid=aggregator=mean',
+                 '--metrics=test_accuracy'])
+    try:
+      sweep.main([])
+    finally:
+      sweep.FLAGS.unparse_flags()
+
+  workdir = runs / 's' / 'aggregator-mean'
+  workdir.mkdir(parents=True)
+  (workdir / 'summary.json').write_text(json.dumps(
+      {'rounds_completed': 5, 'status': 'completed',
+       'config': {'num_rounds': 5}}))
+  (workdir / 'metrics.jsonl').write_text(json.dumps(
+      {'round': 5, 'test_accuracy': 0.5}) + '\n')
+  sweep.FLAGS(['sweep', '--name=s', f'--base_flagfile={flagfile}',
+               '--base_flags=--malicious_fraction=0.3'])
+  try:
+    record = sweep.cell_flags_record(['--aggregator=mean'])
+  finally:
+    sweep.FLAGS.unparse_flags()
+  (workdir / sweep.CELL_RECORD).write_text(json.dumps(record))
+  sweep_with('--malicious_fraction=0.3')          # same flags: reused
+  assert '50.00' in (tmp_path / 's.md').read_text()
+  with pytest.raises(sweep.app.UsageError,
+                     match=r"aggregator-mean: it ran with "
+                           r"\['--malicious_fraction=0.3'\], this sweep asks"
+                           r" for \['--malicious_fraction=0.4'\]"):
+    sweep_with('--malicious_fraction=0.4')
+  flagfile.write_text('--num_rounds=6\n')
+  with pytest.raises(sweep.app.UsageError, match='is not the file'):
+    sweep_with('--malicious_fraction=0.3')
