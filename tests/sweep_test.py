@@ -7,6 +7,15 @@ import pytest
 
 from experiments import reference, sweep
 
+def _restore_flags():
+  """Undoes a test's sweep.FLAGS(...) parse. unparse_flags alone leaves
+  absl's global flags unparsed, and a later test file in the same worker
+  then fails on --test_tmpdir (create_tempdir); conftest marks them
+  parsed, and so does this."""
+  sweep.FLAGS.unparse_flags()
+  sweep.FLAGS.mark_as_parsed()
+
+
 AXES = {'defense': {'SDFC': {'flags': ['--method=sdfc'], 'paper': 'SDFC'},
                     'Median': {'flags': ['--method=fedavg',
                                          '--aggregator=median']}}}
@@ -252,7 +261,7 @@ def test_merge_keeps_each_cell_once_and_marks_cells(tmp_path):
   try:
     sweep.write_outputs('merged', rows, keys, ['test_accuracy'])
   finally:
-    sweep.FLAGS.unparse_flags()
+    _restore_flags()
   table = (tmp_path / 'merged.md').read_text()
   assert '| lie | krum | a | 64.00 (!1) |' in table
   assert '1. aggregator=krum: one client kept' in table
@@ -277,7 +286,7 @@ def test_a_finished_cell_is_reused_only_with_its_own_flags(tmp_path):
     try:
       sweep.main([])
     finally:
-      sweep.FLAGS.unparse_flags()
+      _restore_flags()
 
   workdir = runs / 's' / 'aggregator-mean'
   workdir.mkdir(parents=True)
@@ -291,7 +300,7 @@ def test_a_finished_cell_is_reused_only_with_its_own_flags(tmp_path):
   try:
     record = sweep.cell_flags_record(['--aggregator=mean'])
   finally:
-    sweep.FLAGS.unparse_flags()
+    _restore_flags()
   (workdir / sweep.CELL_RECORD).write_text(json.dumps(record))
   sweep_with('--malicious_fraction=0.3')          # same flags: reused
   assert '50.00' in (tmp_path / 's.md').read_text()
