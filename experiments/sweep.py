@@ -160,6 +160,11 @@ def paper_name(cell: dict[str, str], axes: dict[str, dict[str, dict]]
   return name
 
 
+def cell_workdir(cell: dict[str, str]) -> str:
+  return os.path.join(FLAGS.runs_dir, FLAGS.runs_name or FLAGS.name,
+                      cell_name(cell))
+
+
 def cell_name(cell: dict[str, str]) -> str:
   text = '_'.join(f'{k}-{v}' for k, v in cell.items()) or 'base'
   return ''.join(ch if ch.isalnum() or ch in '-_.' else '_' for ch in text)
@@ -264,9 +269,8 @@ def cell_flags_record(cell_args: list[str]) -> dict:
   args = FLAGS.base_flags.split() + list(cell_args)
   text = None
   if FLAGS.base_flagfile:
-    with open(os.path.join(ROOT, FLAGS.base_flagfile)
-              if not os.path.isabs(FLAGS.base_flagfile)
-              else FLAGS.base_flagfile) as f:
+    # main.py runs in ROOT; an absolute path stays as it is.
+    with open(os.path.join(ROOT, FLAGS.base_flagfile)) as f:
       text = f.read()
   return {'base_flagfile': FLAGS.base_flagfile or None,
           'base_flagfile_text': text, 'args': args}
@@ -575,8 +579,7 @@ def main(argv):
   # otherwise read old runs as new results.
   stale = []
   for cell in cells:
-    workdir = os.path.join(FLAGS.runs_dir, FLAGS.runs_name or FLAGS.name,
-                           cell_name(cell))
+    workdir = cell_workdir(cell)
     why = finished(workdir) and changed_flags(
         workdir, cell_flags_record(cell_flags(cell, axes)))
     if why:
@@ -587,8 +590,7 @@ def main(argv):
         'pass another --runs_name (or delete them) to run this sweep:\n  '
         + '\n  '.join(stale))
   for i, cell in enumerate(cells):
-    workdir = os.path.join(FLAGS.runs_dir, FLAGS.runs_name or FLAGS.name,
-                           cell_name(cell))
+    workdir = cell_workdir(cell)
     if FLAGS.dry_run:
       print(workdir)
       continue

@@ -27,8 +27,8 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # the other 169 another 24 s. The key covers the program, the jax/jaxlib
 # version, the XLA flags and the devices, so an entry never serves another
 # build. The cache has no size bound: with one, JAX scans every entry under
-# a lock on each write (0.7 s at the 3,800 entries of a full run, which
-# made the suite slower than no cache). Unlocked, a worker may read an
+# a lock on each write (0.7 s at the 3,800 entries of a full run: minutes
+# of a cold run spent under one lock). Unlocked, a worker may read an
 # entry another is still writing; the truncated entry fails to decompress,
 # and JAX warns and compiles the program itself.
 # FEDROBUST_TEST_COMPILE_CACHE=0 turns it off; a JAX_COMPILATION_CACHE_DIR

@@ -7,6 +7,7 @@ import pytest
 
 from experiments import reference, sweep
 
+
 def _restore_flags():
   """Undoes a test's sweep.FLAGS(...) parse. unparse_flags alone leaves
   absl's global flags unparsed, and a later test file in the same worker
