@@ -131,6 +131,12 @@ def load_axes(path: str | None) -> dict[str, dict[str, dict]]:
                                                       list):
         raise ValueError(f'--axes {path}: {axis}={value} needs '
                          '{"flags": [...]}')
+      bad = [c for c in ',;|' if c in value]
+      if bad or value != value.strip():
+        raise ValueError(f'--axes {path}: the value name {value!r} of axis '
+                         f'{axis!r} cannot be named in --grid (it has '
+                         f"{' '.join(map(repr, bad)) or 'edge spaces'}); "
+                         'rename it')
   return axes
 
 

@@ -50,6 +50,20 @@ def test_load_axes_rejects_a_value_without_flags(tmp_path):
     sweep.load_axes(str(path))
 
 
+def test_load_axes_rejects_a_value_the_grid_cannot_name(tmp_path):
+  path = tmp_path / 'axes.json'
+  path.write_text(json.dumps({'cat': {'T0 1, kappa 0': {'flags': []}}}))
+  with pytest.raises(ValueError, match="'T0 1, kappa 0' of axis 'cat'"):
+    sweep.load_axes(str(path))
+  # Every shipped axes file names its values so that --grid can.
+  folder = os.path.join(sweep.ROOT, 'experiments', 'sweeps')
+  for name in sorted(os.listdir(folder)):
+    if name.endswith('.json'):
+      for values in sweep.load_axes(os.path.join(folder, name)).values():
+        for value in values:
+          assert sweep.parse_grid(f'a={value}') == [{'a': value}], name
+
+
 def test_reference_rows_and_setting():
   rows = reference.load('SDFC', 'Table5')
   sdfc = rows[('SDFC', 'beta=0.5 malicious=30%')]
