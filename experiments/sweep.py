@@ -369,8 +369,18 @@ def merged_rows(sources: list, metrics: list[str],
 
   sources: CSV paths, or (path, {key: value}) with the key values that
   CSV lacks. A key a CSV lacks takes its own value, else defaults[key],
-  else '-'.
+  else '-'. The paper's columns (paper_<metric>, paper_method,
+  paper_setting) are kept where a CSV has them, blank where it has not.
+  Integer cells (bytes, counts) stay integers.
   """
+  def number(v):
+    if v in (None, ''):
+      return None
+    try:
+      return int(v)
+    except ValueError:
+      return float(v)
+
   defaults = defaults or {}
   rows, keys, seen = [], [], {}
   for source in sources:
@@ -386,8 +396,12 @@ def merged_rows(sources: list, metrics: list[str],
         row['status'] = raw.get('status') or 'ok'
         row['note'] = raw.get('note') or ''
         for m in metrics:
-          v = raw.get(m)
-          row[m] = float(v) if v not in (None, '') else None
+          row[m] = number(raw.get(m))
+          if f'paper_{m}' in raw:
+            row[f'paper_{m}'] = number(raw[f'paper_{m}'])
+        for c in ('paper_method', 'paper_setting'):
+          if c in raw:
+            row[c] = raw[c]
         row['source'] = os.path.splitext(os.path.basename(path))[0]
         for k, v in own.items():
           row.setdefault(k, v)
@@ -462,7 +476,9 @@ def write_outputs(name: str, results: list[dict], keys: list[str],
             + (f'; paper_* columns: {FLAGS.reference} of '
                + os.path.relpath(reference.path_of(
                    FLAGS.reference.partition(':')[0]), ROOT)
-               if with_paper else '') + ' -->\n')
+               if with_paper and FLAGS.reference else '')
+            + ('; paper_* columns: from each source sweep'
+               if with_paper and not FLAGS.reference else '') + ' -->\n')
     if FLAGS.title:
       f.write(f'\n**{FLAGS.title}**\n\n')
     f.write('\n'.join(lines) + '\n')
@@ -564,7 +580,8 @@ def main(argv):
       path, _, own = entry.partition('#')
       sources.append((path, parse_assignments(own, '--merge')))
     results, keys = merged_rows(sources, metrics, defaults)
-    write_outputs(FLAGS.name, results, keys, metrics)
+    write_outputs(FLAGS.name, results, keys, metrics,
+                  with_paper=any('paper_method' in r for r in results))
     if FLAGS.pivot:
       row_key, col_key = FLAGS.pivot.split(',')
       write_pivot(FLAGS.name, results, row_key, col_key, metrics[0])

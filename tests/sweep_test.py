@@ -220,6 +220,35 @@ def test_a_diverged_run_is_a_failure_not_its_last_accuracy(tmp_path):
   assert sweep.finished(str(tmp_path / 'absent')) is None
 
 
+def test_merge_keeps_the_papers_columns_and_integer_bytes(tmp_path):
+  with_paper = tmp_path / 'a.csv'
+  with_paper.write_text(
+      'method,test_accuracy,paper_test_accuracy,upload_bytes,'
+      'paper_upload_bytes,status,note,paper_method,paper_setting\n'
+      'FedIT,0.8,0.89,307264,,ok,,FedIT,IID rho=0.30\n')
+  without = tmp_path / 'b.csv'
+  without.write_text('method,test_accuracy,upload_bytes,status,note\n'
+                     'FLoRA,0.7975,307264,ok,\n')
+  rows, _ = sweep.merged_rows([str(with_paper), str(without)],
+                              ['test_accuracy', 'upload_bytes'])
+  cells = {r['method']: r for r in rows}
+  assert cells['FedIT']['paper_test_accuracy'] == pytest.approx(0.89)
+  assert cells['FedIT']['paper_upload_bytes'] is None
+  assert cells['FedIT']['paper_setting'] == 'IID rho=0.30'
+  assert 'paper_method' not in cells['FLoRA']
+  assert cells['FLoRA']['upload_bytes'] == 307264
+  assert isinstance(cells['FLoRA']['upload_bytes'], int)
+  sweep.FLAGS(['sweep', '--name=merged_paper', f'--out={tmp_path}'])
+  try:
+    sweep.write_outputs('merged_paper', rows, ['method', 'source'],
+                        ['test_accuracy', 'upload_bytes'], with_paper=True)
+  finally:
+    _restore_flags()
+  table = (tmp_path / 'merged_paper.md').read_text()
+  assert '| FedIT | a | 80.00 | 89.00 | 307264 |  |' in table
+  assert '| FLoRA | b | 79.75 |  | 307264 |  |' in table
+
+
 def test_merge_keeps_each_cell_once_and_marks_cells(tmp_path):
   """--merge tabulates earlier sweeps' CSVs; --marks flags cells."""
   first = tmp_path / 'a.csv'
