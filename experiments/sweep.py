@@ -473,12 +473,11 @@ def write_outputs(name: str, results: list[dict], keys: list[str],
                + ' as they are)' if RAW_METRICS & set(metrics) else '')
             + (', bytes per client per round' if set(metrics) & set(
                 SUMMARY_METRICS) else '')
-            + (f'; paper_* columns: {FLAGS.reference} of '
-               + os.path.relpath(reference.path_of(
-                   FLAGS.reference.partition(':')[0]), ROOT)
-               if with_paper and FLAGS.reference else '')
-            + ('; paper_* columns: from each source sweep'
-               if with_paper and not FLAGS.reference else '') + ' -->\n')
+            + ('; paper_* columns: ' + (
+                f'{FLAGS.reference} of ' + os.path.relpath(
+                    reference.path_of(FLAGS.reference.partition(':')[0]),
+                    ROOT) if FLAGS.reference else 'from each source sweep')
+               if with_paper else '') + ' -->\n')
     if FLAGS.title:
       f.write(f'\n**{FLAGS.title}**\n\n')
     f.write('\n'.join(lines) + '\n')
