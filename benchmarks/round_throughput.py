@@ -212,13 +212,22 @@ def peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def device_peak_mb() -> float | None:
+  """The accelerator allocator's peak so far (GPU/TPU); None on CPU, whose
+  memory is the process's RSS."""
+  stats = jax.devices()[0].memory_stats() or {}
+  peak = stats.get('peak_bytes_in_use')
+  return None if peak is None else peak / 2**20
+
+
 def time_round(strategy: str, *, rounds: int, **kwargs) -> dict:
   """Compiles and times one FedAvg round program (median of warm rounds)."""
   run_one, info = build_round(strategy, **kwargs)
   round_seconds = statistics.median(run_one() for _ in range(rounds))
   samples = info['clients'] * info['local_steps'] * info['batch_size']
   return dict(info, samples_per_second=samples / round_seconds,
-              round_seconds=round_seconds, peak_rss_mb=peak_rss_mb())
+              round_seconds=round_seconds, peak_rss_mb=peak_rss_mb(),
+              device_peak_mb=device_peak_mb())
 
 
 def side_by_side(strategy: str, *, rounds: int, **kwargs) -> dict:
@@ -254,7 +263,7 @@ def side_by_side(strategy: str, *, rounds: int, **kwargs) -> dict:
               torch_version=torch.__version__, torch_device=device,
               torch_threads=torch.get_num_threads(),
               cpu_affinity=len(os.sched_getaffinity(0)),
-              peak_rss_mb=peak_rss_mb())
+              peak_rss_mb=peak_rss_mb(), device_peak_mb=device_peak_mb())
 
 
 def run_methods(num_devices: int) -> None:
@@ -291,6 +300,7 @@ def run_methods(num_devices: int) -> None:
     print(header, flush=True)
   def show(r):
     r['peak_rss_mb'] = peak_rss_mb()
+    r['device_peak_mb'] = device_peak_mb()
     if FLAGS.json:
       print(json.dumps(r), flush=True)
       return

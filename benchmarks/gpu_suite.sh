@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite of issue 18, as one command for a short lease:
+#   benchmarks/gpu_suite.sh OUT_DIR [TOTAL_SECONDS]
+# Runs from the repository root with the machine's python3 (PYTHON= to
+# override), which needs jax with CUDA, flax, optax, chex, orbax, absl and
+# torch. Fashion-MNIST must be at /usr/share/datasets/fashion-mnist, or in
+# .gpudata/fashion-mnist (copied there). Every step has its own time limit
+# and the whole suite stops starting steps after TOTAL_SECONDS (default
+# 480), so a slow step costs only its own figures. Writes OUT_DIR/suite.log
+# (everything), OUT_DIR/results.jsonl (one JSON object per timed program,
+# tagged with its step) and the SDFC paper run's summary and metrics.
+set -u
+out=${1:?usage: gpu_suite.sh OUT_DIR [TOTAL_SECONDS]}
+total=${2:-480}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+log=$out/suite.log
+results=$out/results.jsonl
+start=$(date +%s)
+export PYTHONUNBUFFERED=1
+# torch shares the process in the side-by-side steps: leave it room.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}
+
+fmnist=/usr/share/datasets/fashion-mnist
+if [[ ! -f $fmnist/train-images-idx3-ubyte.gz && -d .gpudata/fashion-mnist ]]
+then
+  mkdir -p /usr/share/datasets && cp -r .gpudata/fashion-mnist "$fmnist"
+fi
+mnist5k=${FEDROBUST_DATA_DIR:-$HOME/.cache/fedrobust}/mnist5k
+if [[ ! -d $mnist5k && -d .gpudata/mnist5k ]]; then
+  mkdir -p "$(dirname "$mnist5k")" && cp -r .gpudata/mnist5k "$mnist5k"
+fi
+
+# step NAME SECONDS CMD...: runs CMD under its own limit (clipped to the
+# suite's remaining time); JSON lines it prints go to results.jsonl.
+step() {
+  local name=$1 budget=$2; shift 2
+  local left=$(( total - ($(date +%s) - start) ))
+  (( budget > left )) && budget=$left
+  if (( budget < 20 )); then
+    echo "=== $name: skipped, ${left}s left" | tee -a "$log"; return
+  fi
+  echo "=== $name (limit ${budget}s, t=$(( $(date +%s) - start ))s): $*" \
+    | tee -a "$log"
+  local t0=$(date +%s)
+  timeout "$budget" "$@" > "$out/step.out" 2>&1
+  local rc=$?
+  grep '^{' "$out/step.out" | sed "s/^{/{\"step\": \"$name\", /" >> "$results"
+  grep -v '^{' "$out/step.out" | grep -v 'absl::InitializeLog\|^WARNING: All log' \
+    | tail -40 >> "$log"
+  echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$log"
+  rm -f "$out/step.out"
+}
+
+step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version \
+  --format=csv; $py -c 'import jax, flax, optax, torch; \
+print(jax.__version__, flax.__version__, optax.__version__, torch.__version__, \
+jax.devices())'"
+if ! $py -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
+  echo "=== no GPU backend in jax: stopping" | tee -a "$log"; exit 1
+fi
+rt="$py benchmarks/round_throughput.py --json --settle_seconds=0.2"
+# 1. FedAvg simple CNN, C = 100: every execution strategy, torch beside it.
+step cnn_c100 110 $rt --clients=100 --client_execution=all --reference=torch \
+  --rounds=3
+# 2. C = 1000, vmap (the GPU default), torch beside it.
+step cnn_c1000 110 $rt --clients=1000 --client_execution=vmap \
+  --reference=torch --rounds=2
+# 3. bf16 activations and matmuls, C = 100 and 1000.
+step cnn_bf16_c100 45 $rt --clients=100 --client_execution=vmap \
+  --compute_dtype=bfloat16 --rounds=3
+step cnn_bf16_c1000 60 $rt --clients=1000 --client_execution=vmap \
+  --compute_dtype=bfloat16 --rounds=2
+# 4. SDFC on the paper's schedule (50 rounds x 10 local epochs), whole.
+step sdfc_paper 180 $py experiments/main.py \
+  --flagfile=experiments/configs/sdfc_fmnist_paper.flags \
+  --workdir=/tmp/sdfc_paper
+# 5. The MLP beside torch, and the FEMNIST-sized CNN (FedHAN's 'cnn':
+#    conv 32, conv 64, fc 512), f32 and bf16.
+step mlp_c100 45 $rt --model=mlp --clients=100 --client_execution=vmap \
+  --reference=torch --rounds=3
+step femnist_cnn_c100 45 $rt --model=cnn --clients=100 \
+  --client_execution=vmap --rounds=3
+step femnist_cnn_bf16_c100 45 $rt --model=cnn --clients=100 \
+  --client_execution=vmap --compute_dtype=bfloat16 --rounds=3
+# 6. Every seed method's round and server step. rfd_lora's own preset needs
+#    the MiniLM wheel, which does not travel: it runs on the ViT preset with
+#    MNIST anchors.
+big="env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"   # no torch in these
+step methods_c100 150 $big $rt --method=fedavg,sdfc,horus,fedhan,hilora \
+  --method_clients=10,100 --rounds=3
+step rfd_lora_vit 60 $big $rt --method=rfd_lora:rfd_lora_anchor_dataset=mnist_5k \
+  --preset=hilora_label_skew_quick.flags --method_clients=10,100 --rounds=3
+step methods_c1000 120 $big $rt --method=fedavg,sdfc,horus,hilora,fedhan \
+  --method_clients=1000 --rounds=2
+cp /tmp/sdfc_paper/summary.json "$out/sdfc_paper_summary.json" 2>/dev/null
+cp /tmp/sdfc_paper/metrics.jsonl "$out/sdfc_paper_metrics.jsonl" 2>/dev/null
+echo "=== suite done in $(( $(date +%s) - start ))s" | tee -a "$log"
