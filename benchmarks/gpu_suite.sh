@@ -91,6 +91,9 @@ step methods_c100 150 $big $rt --method=fedavg,sdfc,horus,fedhan,hilora \
   --method_clients=10,100 --rounds=3
 step rfd_lora_vit 60 $big $rt --method=rfd_lora:rfd_lora_anchor_dataset=mnist_5k \
   --preset=hilora_label_skew_quick.flags --method_clients=10,100 --rounds=3
+# 7. Horus's server step by SVD (default) and by the Gram route, one process.
+step horus_sv_c100 90 $big $rt --method=horus,horus:horus_sv_method=gram \
+  --method_clients=100 --interleave --rounds=3
 step methods_c1000 120 $big $rt --method=fedavg,sdfc,horus,hilora,fedhan \
   --method_clients=1000 --rounds=2
 cp /tmp/sdfc_paper/summary.json "$out/sdfc_paper_summary.json" 2>/dev/null

@@ -27,6 +27,9 @@ split into --cpu_devices XLA devices (0: auto, up to one per pinned core,
 as experiments/devices.py picks) and the client axis is sharded over them,
 as experiments/main.py does; --cpu_devices=1 times the single-device
 round.
+
+On a GPU, benchmarks/gpu_suite.sh runs the whole GPU table of BUILD_NOTES
+(§4b) in one command, each step under its own time limit.
 """
 
 from __future__ import annotations

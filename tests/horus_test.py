@@ -151,6 +151,48 @@ class RuleTest(absltest.TestCase):
           agg.init(params), jax.random.key(0), params=params, coverage=None)
       self.assertEqual(float(info['excluded']), 0.0, ties)
 
+  def test_gram_route_gives_the_svd_route_s_result(self):
+    """sv_method='gram' (batched eigh of the smaller Gram) against the
+    default 'svd', on a round with an excluded outlier and a known global
+    direction: same exclusions, weights, update and new directions, within
+    float32 error."""
+    rng = np.random.default_rng(5)
+    a = rng.normal(size=(10, 20, 8)).astype(np.float32)
+    a[2] = np.outer(rng.normal(size=20), rng.normal(size=8)) * 3
+    b = rng.normal(size=(10, 8, 3)).astype(np.float32)
+    params = {'l': {'a': jnp.asarray(rng.normal(size=(20, 8)), jnp.float32),
+                    'b': jnp.zeros((8, 3))}}
+    results = []
+    for method in ('svd', 'gram'):
+      agg = get_aggregator('horus', sv_method=method)
+      state = agg.init(params)
+      state = state._replace(
+          directions={'l': {'a': jnp.asarray(orthonormal(rng, 20, 1)[:, 0]
+                                             if not results else
+                                             results[0][3]['l']['a'],
+                                             jnp.float32),
+                            'b': jnp.asarray(np.eye(8)[0], jnp.float32)}},
+          have=jnp.bool_(True))
+      out, new_state, info = call_aggregator(
+          agg, {'l': {'a': jnp.asarray(a), 'b': jnp.asarray(b)}},
+          jnp.ones(10, bool), state, jax.random.key(0), params=params,
+          coverage=None)
+      results.append((out, new_state, info, state.directions))
+    (o1, s1, i1, _), (o2, s2, i2, _) = results
+    self.assertEqual(float(i1['weights'][2]), 0.0)
+    np.testing.assert_array_equal(np.asarray(i1['weights']) > 0,
+                                  np.asarray(i2['weights']) > 0)
+    np.testing.assert_allclose(i2['hops'], i1['hops'], rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(i2['weights'], i1['weights'], rtol=1e-4,
+                               atol=1e-6)
+    chex.assert_trees_all_close(o2, o1, rtol=1e-4, atol=1e-6)
+    for leaf in ('a', 'b'):
+      d1 = np.asarray(s1.directions['l'][leaf])
+      d2 = np.asarray(s2.directions['l'][leaf])
+      self.assertAlmostEqual(abs(float(d1 @ d2)), 1.0, places=4)
+    with self.assertRaisesRegex(ValueError, 'sv_method'):
+      get_aggregator('horus', sv_method='qr')
+
   def test_no_batched_lapack_call_on_cpu(self):
     """Regression: batched LAPACK kernels deadlocked the round on 2 CPU
     devices (spectral.per_matrix). The rule's compiled program may call
@@ -166,6 +208,11 @@ class RuleTest(absltest.TestCase):
     gram = jnp.ones((6, 8, 8))
     for fn, arg in ((run, updates), (spectral.singular_values, gram)):
       assert_unbatched_lapack(self, jax.jit(fn).lower(arg).as_text())
+    agg_gram = get_aggregator('horus', sv_method='gram')
+    run_gram = lambda u: call_aggregator(
+        agg_gram, u, jnp.ones(6, bool), agg_gram.init(params),
+        jax.random.key(0), params=params, coverage=None)
+    assert_unbatched_lapack(self, jax.jit(run_gram).lower(updates).as_text())
 
 
 class PipelineTest(absltest.TestCase):

@@ -53,3 +53,32 @@ def test_bad_arguments_are_named():
                          lam=2.0)
   with pytest.raises(ValueError, match='method'):
     spectral.singular_values(np.ones((2, 3, 3), np.float32), 'qr')
+
+
+@pytest.mark.parametrize('method', spectral.SV_METHODS)
+@pytest.mark.parametrize('shape', [(5, 4, 40), (5, 40, 4), (3, 6, 6)])
+def test_first_left_singular_matches_numpy_up_to_sign(method, shape):
+  rng = np.random.default_rng(4)
+  mats = rng.normal(size=shape).astype(np.float32)
+  # a clear gap between s_1 and s_2, so u_1 is well defined
+  u, s, vt = np.linalg.svd(mats, full_matrices=False)
+  s[:, 0] *= 3.0
+  mats = np.einsum('cik,ck,ckj->cij', u, s, vt).astype(np.float32)
+  got = np.asarray(jax.jit(spectral.first_left_singular, static_argnums=1)(
+      mats, method))
+  want = np.linalg.svd(mats.astype(np.float64))[0][:, :, 0]
+  assert got.shape == want.shape
+  np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(np.abs(np.sum(got * want, axis=1)), 1.0,
+                             rtol=1e-5)
+
+
+def test_first_left_singular_gram_of_a_zero_matrix_is_zero():
+  mats = np.zeros((2, 10, 3), np.float32)
+  mats[1, 0, 0] = 2.0
+  got = np.asarray(spectral.first_left_singular(mats, 'gram'))
+  assert np.all(np.isfinite(got))
+  np.testing.assert_array_equal(got[0], 0.0)
+  np.testing.assert_allclose(np.abs(got[1]), np.eye(10)[0], atol=1e-6)
+  with pytest.raises(ValueError, match='method'):
+    spectral.first_left_singular(mats, 'qr')

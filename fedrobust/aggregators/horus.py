@@ -77,16 +77,15 @@ def _matrix(leaf: jax.Array) -> jax.Array:
   return leaf.reshape(leaf.shape[0], -1, leaf.shape[-1])
 
 
-def first_direction(mats: jax.Array) -> jax.Array:
+def first_direction(mats: jax.Array, method: str = 'svd') -> jax.Array:
   """float[C, m, n] -> float32[C, m]: the first left singular vectors."""
-  return spectral.per_matrix(
-      lambda m: jnp.linalg.svd(m, full_matrices=False)[0][:, 0],
-      mats.astype(jnp.float32))
+  return spectral.first_left_singular(mats, method)
 
 
 def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
           percentile: float = 95.0, detect: str = 'a',
-          projection: bool = True, exclude_ties: bool = False) -> Aggregator:
+          projection: bool = True, exclude_ties: bool = False,
+          sv_method: str = 'svd') -> Aggregator:
   """Horus's HOPS detection plus projection-guided aggregation.
 
   Args:
@@ -103,6 +102,10 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
       agree unless theta equals a score exactly (p = 100 excludes the
       maximum). A client at the round's lowest score is never excluded, so
       a round of equal scores keeps everyone.
+    sv_method: 'svd' (jnp.linalg.svd per client matrix) or 'gram' (the
+      eigen-decomposition of the smaller Gram matrix,
+      spectral.first_left_singular): the same singular values and first
+      directions within float32 error, in one small batched eigh.
 
   Returns:
     An Aggregator reading `params` (the group's current global values) and
@@ -118,6 +121,9 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
     raise setting('horus', 'top_k', f'must be a positive int, got {top_k!r}')
   if detect not in DETECT:
     raise setting('horus', 'detect', f'{detect!r}; expected one of {DETECT}')
+  if sv_method not in spectral.SV_METHODS:
+    raise setting('horus', 'sv_method', f'{sv_method!r}; expected one of '
+                  f'{spectral.SV_METHODS}')
 
   def matrix_leaves(tree):
     """Flags per leaf: (is a matrix, used for detection)."""
@@ -162,7 +168,7 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
     scores = []
     for v, used in zip(safe, use):
       if used:
-        sv = spectral.singular_values(_matrix(v), 'svd')
+        sv = spectral.singular_values(_matrix(v), sv_method)
         scores.append(spectral.hops_scores(sv, finite, k=min(top_k,
                                                              sv.shape[-1]),
                                            lam=lam))
@@ -183,7 +189,7 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
       if not m:
         v_c.append(None)
         continue
-      vc = first_direction(_matrix(v))
+      vc = first_direction(_matrix(v), sv_method)
       v_c.append(vc)
       if projection:
         a = jnp.where(state.have, jnp.abs(vc @ d), 1.0)
@@ -206,7 +212,7 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
         new_dirs.append(d)
         continue
       g = (b.astype(jnp.float32) + u.astype(jnp.float32))[None]
-      new_dirs.append(first_direction(_matrix(g))[0])
+      new_dirs.append(first_direction(_matrix(g), sv_method)[0])
     new_state = HorusState(
         jax.tree.unflatten(jax.tree.structure(state.directions), new_dirs),
         jnp.bool_(True))

@@ -63,6 +63,34 @@ def singular_values(mats: jax.Array, method: str = 'gram') -> jax.Array:
   return jnp.sqrt(jnp.maximum(eig[..., ::-1], 0.0))
 
 
+def first_left_singular(mats: jax.Array, method: str = 'svd') -> jax.Array:
+  """float[C, m, n] -> float32[C, m]: each matrix's first left singular
+  vector u_1 (unit norm; its sign is arbitrary, as the SVD's is).
+
+  'svd' takes it from jnp.linalg.svd. 'gram' works on the smaller side:
+  for m <= n, u_1 is the top eigenvector of M M^T [m, m]; for m > n,
+  u_1 = M v_1 / s_1 with v_1 the top eigenvector of M^T M [n, n]. A
+  min(m, n)-sized batched eigh replaces an m x n SVD per client. A zero
+  matrix gives u_1 = 0 under 'gram' (the SVD returns some unit vector).
+  """
+  if method not in SV_METHODS:
+    raise ValueError(f'singular vector method {method!r}; expected one of '
+                     f'{SV_METHODS}')
+  mats = mats.astype(jnp.float32)
+  if method == 'svd':
+    return per_matrix(
+        lambda m: jnp.linalg.svd(m, full_matrices=False)[0][:, 0], mats)
+  hi = lax.Precision.HIGHEST
+  if mats.shape[-2] <= mats.shape[-1]:
+    gram = jnp.einsum('cij,ckj->cik', mats, mats, precision=hi)
+    return per_matrix(lambda g: jnp.linalg.eigh(g)[1][:, -1], gram)
+  gram = jnp.einsum('cji,cjk->cik', mats, mats, precision=hi)
+  v1 = per_matrix(lambda g: jnp.linalg.eigh(g)[1][:, -1], gram)
+  u = jnp.einsum('cij,cj->ci', mats, v1, precision=hi)
+  norm = jnp.linalg.norm(u, axis=-1, keepdims=True)
+  return u / jnp.where(norm > 0, norm, 1.0)
+
+
 def _energy(sv: jax.Array) -> jax.Array:
   total = jnp.sum(sv, axis=-1, keepdims=True)
   return sv / jnp.where(total > 0, total, 1.0)
