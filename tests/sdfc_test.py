@@ -15,6 +15,7 @@ from fedrobust.cohort import single_cohort
 from fedrobust.local import classification_loss
 from fedrobust.methods import get_method
 from fedrobust import models
+from fedrobust.methods import fisher as fisher_lib
 from fedrobust.methods.fisher import factored_plan, fisher_diagonal
 from fedrobust.methods.sdfc import SDFCClientState
 from fedrobust.transforms import identity
@@ -128,9 +129,12 @@ class FactoredFisherTest(parameterized.TestCase):
                              **kwargs)
     params = model.init(jax.random.key(1))
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.integers(0, 256, (2, 5, 28, 28, 1)), jnp.uint8)
-    y = jnp.asarray(rng.integers(0, 10, (2, 5)), jnp.int32)
-    mask = jnp.asarray([[True] * 5, [True, True, False, False, False]])
+    # Batches of 10: the conv statistics run in 2 chunks of 5
+    # (fisher.STAT_CHUNK), one of them all padding in the second batch.
+    x = jnp.asarray(rng.integers(0, 256, (2, 10, 28, 28, 1)), jnp.uint8)
+    y = jnp.asarray(rng.integers(0, 10, (2, 10)), jnp.int32)
+    mask = jnp.asarray([[True] * 10, [True, True, False] + [False] * 7])
+    self.assertEqual(fisher_lib._chunk_size(10), 5)
     self.assertTrue(factored_plan(params, model.probe, x[0]))
 
     def fisher(impl):
