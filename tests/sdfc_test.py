@@ -134,7 +134,8 @@ class FactoredFisherTest(parameterized.TestCase):
     x = jnp.asarray(rng.integers(0, 256, (2, 10, 28, 28, 1)), jnp.uint8)
     y = jnp.asarray(rng.integers(0, 10, (2, 10)), jnp.int32)
     mask = jnp.asarray([[True] * 10, [True, True, False] + [False] * 7])
-    self.assertEqual(fisher_lib._chunk_size(10), 5)
+    self.assertEqual(fisher_lib._chunk_size(10, 'cpu'), 5)
+    self.assertEqual(fisher_lib._chunk_size(10, 'gpu'), 10)
     self.assertTrue(factored_plan(params, model.probe, x[0]))
 
     def fisher(impl):

@@ -22,9 +22,10 @@ Per-example statistics, two implementations (`impl`, same math):
               input patches (an [N, kh kw Cin, Cout] batched matmul, the
               FLOPs of one weight gradient). Those per-example kernels
               are formed and squared STAT_CHUNK examples at a time in a
-              scan, so each chunk's [c, K, Cout] block stays in cache
-              instead of the batch's (1.7x faster for the simple CNN's
-              second conv on the 2-core box, BUILD_NOTES §4b). Needs a
+              scan on CPU, so each chunk's [c, K, Cout] block stays in
+              cache instead of the batch's (1.7-2x faster for the
+              simple CNN's convs on the 2-core box, BUILD_NOTES §4b); on
+              GPU/TPU in one pass. Needs a
               model whose every parameter belongs to a Dense or Conv
               called once per forward pass; otherwise it falls back to
               'vmap'.
@@ -103,7 +104,13 @@ def factored_plan(params: Params, probe_fn: Callable | None, x: jax.Array
 STAT_CHUNK = 8
 
 
-def _chunk_size(n: int) -> int:
+def _chunk_size(n: int, backend: str | None = None) -> int:
+  """Examples per chunk: the largest divisor of n up to STAT_CHUNK on CPU;
+  n (one pass) on GPU/TPU, where the batch's block is no cache problem
+  and a scan would serialise the work (session 20's GPU figures ran with
+  one pass)."""
+  if (backend or jax.default_backend()) != 'cpu':
+    return n
   return max(c for c in range(1, min(n, STAT_CHUNK) + 1) if n % c == 0)
 
 
