@@ -77,11 +77,6 @@ def _matrix(leaf: jax.Array) -> jax.Array:
   return leaf.reshape(leaf.shape[0], -1, leaf.shape[-1])
 
 
-def first_direction(mats: jax.Array, method: str = 'svd') -> jax.Array:
-  """float[C, m, n] -> float32[C, m]: the first left singular vectors."""
-  return spectral.first_left_singular(mats, method)
-
-
 def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
           percentile: float = 95.0, detect: str = 'a',
           projection: bool = True, exclude_ties: bool = False,
@@ -189,7 +184,7 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
       if not m:
         v_c.append(None)
         continue
-      vc = first_direction(_matrix(v), sv_method)
+      vc = spectral.first_left_singular(_matrix(v), sv_method)
       v_c.append(vc)
       if projection:
         a = jnp.where(state.have, jnp.abs(vc @ d), 1.0)
@@ -212,7 +207,7 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
         new_dirs.append(d)
         continue
       g = (b.astype(jnp.float32) + u.astype(jnp.float32))[None]
-      new_dirs.append(first_direction(_matrix(g), sv_method)[0])
+      new_dirs.append(spectral.first_left_singular(_matrix(g), sv_method)[0])
     new_state = HorusState(
         jax.tree.unflatten(jax.tree.structure(state.directions), new_dirs),
         jnp.bool_(True))

@@ -25,10 +25,9 @@ Per-example statistics, two implementations (`impl`, same math):
               scan on CPU, so each chunk's [c, K, Cout] block stays in
               cache instead of the batch's (1.7-2x faster for the
               simple CNN's convs on the 2-core box, BUILD_NOTES §4b); on
-              GPU/TPU in one pass. Needs a
-              model whose every parameter belongs to a Dense or Conv
-              called once per forward pass; otherwise it falls back to
-              'vmap'.
+              GPU/TPU in one pass. Needs a model whose every parameter
+              belongs to a Dense or Conv called once per forward pass;
+              otherwise it falls back to 'vmap'.
 
 Variants (SDFC ablations and the released code's choice):
   importance='fisher'   squared gradients (Eq. 6);
