@@ -136,6 +136,13 @@ class FactoredFisherTest(parameterized.TestCase):
     mask = jnp.asarray([[True] * 10, [True, True, False] + [False] * 7])
     self.assertEqual(fisher_lib._chunk_size(10, 'cpu'), 5)
     self.assertEqual(fisher_lib._chunk_size(10, 'gpu'), 10)
+    # Both conv routes are exercised on CPU: simple_cnn's Conv_1 (6->16)
+    # and cnn's Conv_1 (4->8) by shifts, every Conv_0 (1 channel) by
+    # patches.
+    self.assertEqual(fisher_lib._conv_route((5, 5, 6, 16), 'cpu'), 'shifts')
+    self.assertEqual(fisher_lib._conv_route((5, 5, 4, 8), 'cpu'), 'shifts')
+    self.assertEqual(fisher_lib._conv_route((5, 5, 1, 6), 'cpu'), 'patches')
+    self.assertEqual(fisher_lib._conv_route((5, 5, 6, 16), 'gpu'), 'patches')
     self.assertTrue(factored_plan(params, model.probe, x[0]))
 
     def fisher(impl):

@@ -25,9 +25,11 @@ Per-example statistics, two implementations (`impl`, same math):
               scan on CPU, so each chunk's [c, K, Cout] block stays in
               cache instead of the batch's (1.7-2x faster for the
               simple CNN's convs on the 2-core box, BUILD_NOTES §4b); on
-              GPU/TPU in one pass. Needs a model whose every parameter
-              belongs to a Dense or Conv called once per forward pass;
-              otherwise it falls back to 'vmap'.
+              GPU/TPU in one pass. On CPU, layers with few channels
+              form them by kernel offset instead (_conv_route). Needs a
+              model whose every parameter belongs to a Dense or Conv
+              called once per forward pass; otherwise it falls back to
+              'vmap'.
 
 Variants (SDFC ablations and the released code's choice):
   importance='fisher'   squared gradients (Eq. 6);
@@ -113,15 +115,55 @@ def _chunk_size(n: int, backend: str | None = None) -> int:
   return max(c for c in range(1, min(n, STAT_CHUNK) + 1) if n % c == 0)
 
 
+def _conv_route(kernel_shape, backend: str | None = None) -> str:
+  """How a conv layer's per-example kernel statistics are formed.
+
+  'patches': im2col patches [N, P, kh kw Cin], then one [kh kw Cin, P] x
+  [P, Cout] matmul per example (chunked on CPU, _chunk_size).
+  'shifts': for each of the kh kw kernel offsets, the shifted input
+  [N, P, Cin] against delta [N, P, Cout]: kh kw matmuls of [Cin, P] x
+  [P, Cout] per example, with no patch matrix. Same sums, another order.
+
+  'shifts' is taken on CPU for 3 <= Cin and Cin Cout <= 512, where it won
+  in every shape timed on the 2-core box (per 256 examples, patches vs
+  shifts: 5x5 6->16 4.6 vs 1.7 ms, 5x5 3->6 18.0 vs 11.0, 5x5 16->32 22.1
+  vs 15.4, 3x3 8->16 8.4 vs 5.0); patches won at Cin <= 2 (5x5 1->6 30 vs
+  44 ms per 1,024, 5x5 2->8 2.5 vs 3.8) and at Cin Cout >= 1024 (3x3
+  32->32 21.0 vs 37.6, 3x3 64->64 87.3 vs 100.4, 5x5 32->64 176 vs 232).
+  GPU/TPU keep 'patches' in one pass (session 20's GPU figures).
+  """
+  if (backend or jax.default_backend()) != 'cpu':
+    return 'patches'
+  cin, cout = kernel_shape[2], kernel_shape[3]
+  return 'shifts' if 3 <= cin and cin * cout <= 512 else 'patches'
+
+
+def _conv_stat_by_shifts(kernel_shape, has_bias, a, delta, stat):
+  """_layer_stat_all's conv statistics by kernel offsets ('shifts')."""
+  kh, kw, cin, cout = kernel_shape
+  if delta.shape[1] == a.shape[1]:                     # SAME
+    a = same_padding(a, kh, kw)
+  ho, wo = delta.shape[1], delta.shape[2]
+  per = jnp.stack([jnp.einsum('nhwc,nhwo->nco', a[:, i:i + ho, j:j + wo, :],
+                              delta, precision='highest')
+                   for i in range(kh) for j in range(kw)], axis=1)
+  kernel = jnp.sum(stat(per), axis=0).reshape(kernel_shape)
+  bias = jnp.sum(stat(jnp.sum(delta, axis=(1, 2))), axis=0)
+  return kernel, (bias if has_bias else None)
+
+
 def _layer_stat(kernel_shape, has_bias, a, delta, stat):
   """Summed per-example stat of one layer's kernel (and bias) gradients.
 
   a: the layer's input float32[N, ...]; delta: the per-example gradient
   at its output float32[N, ...] (zero rows for masked examples). A conv
-  layer is taken _chunk_size(N) examples at a time.
+  layer goes by _conv_route: 'shifts' in one pass, 'patches'
+  _chunk_size(N) examples at a time.
   """
   n = a.shape[0]
   c = _chunk_size(n)
+  if len(kernel_shape) == 4 and _conv_route(kernel_shape) == 'shifts':
+    return _conv_stat_by_shifts(kernel_shape, has_bias, a, delta, stat)
   if c < n and len(kernel_shape) == 4:
     split = lambda t: t.reshape((n // c, c) + t.shape[1:])
 
