@@ -315,14 +315,39 @@ def run_cell(cell_args: list[str], workdir: str) -> tuple[str, str]:
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
   if proc.returncode == 0:
     return 'ok', ''
-  lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
-  if lines:
-    message = lines[-1][len('error: '):]
+  # The whole stderr stays beside the cell's outputs; the table gets one
+  # line of it.
+  with open(os.path.join(workdir, CELL_STDERR), 'w') as f:
+    f.write(proc.stderr)
+  return failure(proc.returncode, proc.stderr)
+
+
+CELL_STDERR = 'stderr.log'
+
+
+def failure(returncode: int, stderr: str) -> tuple[str, str]:
+  """(status, one-line message) of a cell that exited with `returncode`.
+
+  A refusal's or error's 'error:' line; else, for a crash, the line that
+  names it: Python's 'Fatal Python error: ...' (an abort, whose last lines
+  only list extension modules) or the traceback's last line.
+  """
+  lines = stderr.splitlines()
+  errors = [l for l in lines if l.startswith('error:')]
+  fatal = [l for l in lines if l.startswith('Fatal Python error')]
+  if errors:
+    message = errors[-1][len('error: '):]
+  elif fatal:
+    message = fatal[-1]
   else:   # a crash: its last line names the exception
-    tail = [l for l in proc.stderr.splitlines() if l.strip()]
-    message = tail[-1] if tail else f'exit {proc.returncode}'
+    tail = [l for l in lines if l.strip()]
+    message = tail[-1] if tail else f'exit {returncode}'
+  if returncode < 0:
+    message = f'signal {-returncode}: {message}'
   message = message.replace('|', '/')[:300]
-  return ('refused' if proc.returncode == 2 else 'failed'), message
+  if not errors:
+    message += f' (whole stderr: {CELL_STDERR} in the cell\'s workdir)'
+  return ('refused' if returncode == 2 else 'failed'), message
 
 
 def load_marks(path: str | None) -> list[tuple[dict[str, str], str]]:

@@ -356,3 +356,19 @@ def test_a_finished_cell_is_reused_only_with_its_own_flags(tmp_path):
   flagfile.write_text('--num_rounds=6\n')
   with pytest.raises(sweep.app.UsageError, match='is not the file'):
     sweep_with('--malicious_fraction=0.3')
+
+
+def test_a_crash_is_named_by_its_fatal_line_not_the_module_list():
+  stderr = ('Fatal Python error: Aborted\n\nThread 0x01 (most recent call '
+            'first):\n  File "main.py", line 9 in <module>\n\n'
+            'Extension modules: jaxlib.cpu_feature_guard, numpy.core '
+            '(total: 2)\n')
+  status, note = sweep.failure(-6, stderr)
+  assert status == 'failed'
+  assert note.startswith('signal 6: Fatal Python error: Aborted')
+  assert sweep.CELL_STDERR in note
+  status, note = sweep.failure(1, 'Traceback:\nValueError: bad | value\n')
+  assert (status, note.split(' (whole')[0]) == ('failed',
+                                                'ValueError: bad / value')
+  assert sweep.failure(2, 'error: --rounds must be > 0\n') == (
+      'refused', '--rounds must be > 0')
