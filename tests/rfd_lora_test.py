@@ -98,6 +98,9 @@ class RFDLoRATest(absltest.TestCase):
       top = np.bincount(np.argmax(logits, -1), minlength=NUM_CLASSES).max()
       self.assertAlmostEqual(float(out.metrics['anchor_top_share']),
                              top / 6, places=6)
+      counts = np.bincount(np.argmax(logits, -1), minlength=NUM_CLASSES)
+      self.assertEqual(float(out.metrics['anchor_top_class']),
+                       float(np.argmax(counts)))
     self.assertEqual(shapes, {(6, NUM_CLASSES)})
 
   def test_distillation_reaches_the_consensus(self):
@@ -139,6 +142,10 @@ class RFDLoRATest(absltest.TestCase):
     self.assertAlmostEqual(float(info['student_top_share']), share, places=6)
     self.assertAlmostEqual(float(info['consensus_top_share']), share,
                            places=6)
+    top = float(np.argmax(np.bincount(np.argmax(got, -1),
+                                      minlength=NUM_CLASSES)))
+    self.assertEqual(float(info['student_top_class']), top)
+    self.assertEqual(float(info['consensus_top_class']), top)
 
 
 if __name__ == '__main__':

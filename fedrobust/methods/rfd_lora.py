@@ -64,13 +64,23 @@ from fedrobust.types import ClientOutput, Method
 Params = Any
 
 
+def _class_counts(logits: jax.Array) -> jax.Array:
+  """How many rows [A, C] have each class as their argmax: float[C]."""
+  c = logits.shape[-1]
+  return jnp.sum(jax.nn.one_hot(jnp.argmax(logits, -1), c), axis=0)
+
+
 def top_class_share(logits: jax.Array) -> jax.Array:
   """The share of rows [A, C] whose argmax is the most frequent class: 1
   when a model gives every anchor the same class (collapse), 1/C at best
   balance."""
-  c = logits.shape[-1]
-  counts = jnp.sum(jax.nn.one_hot(jnp.argmax(logits, -1), c), axis=0)
-  return jnp.max(counts) / logits.shape[0]
+  return jnp.max(_class_counts(logits)) / logits.shape[0]
+
+
+def top_class(logits: jax.Array) -> jax.Array:
+  """The most frequent argmax class of rows [A, C] (the lower on a tie),
+  as float32 for the metrics: which way a leaning model leans."""
+  return jnp.argmax(_class_counts(logits)).astype(jnp.float32)
 
 
 class RFDState(NamedTuple):
@@ -187,7 +197,8 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
                              poison=poison)
     z = anchor_logits(apply, new, server_data['anchors'], anchor_batch)
     z = jnp.clip(z.astype(jnp.float32), -clip, clip)
-    metrics = {**metrics, 'anchor_top_share': top_class_share(z)}
+    metrics = {**metrics, 'anchor_top_share': top_class_share(z),
+               'anchor_top_class': top_class(z)}
     return ClientOutput(delta={'logits': z},
                         weight=data.count.astype(jnp.float32),
                         client_state=new, metrics=metrics)
@@ -235,6 +246,8 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
             'distill_agreement': agree,
             'consensus_top_share': top_class_share(target.logits),
             'student_top_share': top_class_share(fitted),
+            'consensus_top_class': top_class(target.logits),
+            'student_top_class': top_class(fitted),
             'anchor_spread': jnp.mean(target.spread),
             'anchor_temperature': jnp.mean(target.temperature),
             'anchor_weight': jnp.mean(target.weight)}
