@@ -529,7 +529,9 @@ def write_outputs(name: str, results: list[dict], keys: list[str],
   ax.set_xticklabels(['/'.join(r[k] for k in keys) for r in ok],
                      rotation=60, ha='right', fontsize=8)
   ax.set_ylabel('%')
-  ax.legend()
+  # Beside the axes, not over the bars (a full-height bar sits under any
+  # corner inside them).
+  ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=8)
   ax.set_title(name)
   fig.tight_layout()
   fig.savefig(os.path.join(FLAGS.out, f'{name}.png'), dpi=100)
