@@ -105,12 +105,16 @@ def factored_plan(params: Params, probe_fn: Callable | None, x: jax.Array
 STAT_CHUNK = 8
 
 
+def _on_cpu(backend: str | None) -> bool:
+  return (backend or jax.default_backend()) == 'cpu'
+
+
 def _chunk_size(n: int, backend: str | None = None) -> int:
   """Examples per chunk: the largest divisor of n up to STAT_CHUNK on CPU;
   n (one pass) on GPU/TPU, where the batch's block is no cache problem
   and a scan would serialise the work (session 20's GPU figures ran with
   one pass)."""
-  if (backend or jax.default_backend()) != 'cpu':
+  if not _on_cpu(backend):
     return n
   return max(c for c in range(1, min(n, STAT_CHUNK) + 1) if n % c == 0)
 
@@ -132,24 +136,10 @@ def _conv_route(kernel_shape, backend: str | None = None) -> str:
   32->32 21.0 vs 37.6, 3x3 64->64 87.3 vs 100.4, 5x5 32->64 176 vs 232).
   GPU/TPU keep 'patches' in one pass (session 20's GPU figures).
   """
-  if (backend or jax.default_backend()) != 'cpu':
+  if not _on_cpu(backend):
     return 'patches'
   cin, cout = kernel_shape[2], kernel_shape[3]
   return 'shifts' if 3 <= cin and cin * cout <= 512 else 'patches'
-
-
-def _conv_stat_by_shifts(kernel_shape, has_bias, a, delta, stat):
-  """_layer_stat_all's conv statistics by kernel offsets ('shifts')."""
-  kh, kw, cin, cout = kernel_shape
-  if delta.shape[1] == a.shape[1]:                     # SAME
-    a = same_padding(a, kh, kw)
-  ho, wo = delta.shape[1], delta.shape[2]
-  per = jnp.stack([jnp.einsum('nhwc,nhwo->nco', a[:, i:i + ho, j:j + wo, :],
-                              delta, precision='highest')
-                   for i in range(kh) for j in range(kw)], axis=1)
-  kernel = jnp.sum(stat(per), axis=0).reshape(kernel_shape)
-  bias = jnp.sum(stat(jnp.sum(delta, axis=(1, 2))), axis=0)
-  return kernel, (bias if has_bias else None)
 
 
 def _layer_stat(kernel_shape, has_bias, a, delta, stat):
@@ -161,25 +151,25 @@ def _layer_stat(kernel_shape, has_bias, a, delta, stat):
   _chunk_size(N) examples at a time.
   """
   n = a.shape[0]
+  route = _conv_route(kernel_shape) if len(kernel_shape) == 4 else None
   c = _chunk_size(n)
-  if len(kernel_shape) == 4 and _conv_route(kernel_shape) == 'shifts':
-    return _conv_stat_by_shifts(kernel_shape, has_bias, a, delta, stat)
-  if c < n and len(kernel_shape) == 4:
+  if route == 'patches' and c < n:
     split = lambda t: t.reshape((n // c, c) + t.shape[1:])
 
     def add_chunk(carry, chunk):
-      kernel, bias = _layer_stat_all(kernel_shape, True, *chunk, stat)
+      kernel, bias = _layer_stat_all(kernel_shape, True, *chunk, stat,
+                                     route)
       return (carry[0] + kernel, carry[1] + bias), None
 
     init = (jnp.zeros(kernel_shape, jnp.float32),
             jnp.zeros(kernel_shape[-1:], jnp.float32))
     (kernel, bias), _ = jax.lax.scan(add_chunk, init, (split(a), split(delta)))
     return kernel, (bias if has_bias else None)
-  return _layer_stat_all(kernel_shape, has_bias, a, delta, stat)
+  return _layer_stat_all(kernel_shape, has_bias, a, delta, stat, route)
 
 
-def _layer_stat_all(kernel_shape, has_bias, a, delta, stat):
-  """_layer_stat over all N examples at once."""
+def _layer_stat_all(kernel_shape, has_bias, a, delta, stat, route=None):
+  """_layer_stat over all N examples at once; a conv layer by `route`."""
   n = a.shape[0]
   if len(kernel_shape) == 2:                           # Dense
     a3 = a.reshape(n, -1, a.shape[-1])
@@ -196,12 +186,18 @@ def _layer_stat_all(kernel_shape, has_bias, a, delta, stat):
     if delta.shape[1] == a.shape[1]:                   # SAME
       a = same_padding(a, kh, kw)
     ho, wo = delta.shape[1], delta.shape[2]
-    # im2col by shifted slices, in the kernel's (kh, kw, Cin) order.
-    patches = jnp.stack([a[:, i:i + ho, j:j + wo, :]
-                         for i in range(kh) for j in range(kw)], axis=3)
-    p = patches.reshape(n, ho * wo, kh * kw * cin)
+    offsets = [(i, j) for i in range(kh) for j in range(kw)]
     d = delta.reshape(n, ho * wo, cout)
-    per = jnp.einsum('npk,npo->nko', p, d, precision='highest')
+    if route == 'shifts':   # one [Cin, P] x [P, Cout] product per offset
+      per = jnp.stack([jnp.einsum('nhwc,nhwo->nco',
+                                  a[:, i:i + ho, j:j + wo, :], delta,
+                                  precision='highest')
+                       for i, j in offsets], axis=1)
+    else:                   # im2col, in the kernel's (kh, kw, Cin) order
+      patches = jnp.stack([a[:, i:i + ho, j:j + wo, :] for i, j in offsets],
+                          axis=3)
+      p = patches.reshape(n, ho * wo, kh * kw * cin)
+      per = jnp.einsum('npk,npo->nko', p, d, precision='highest')
     kernel = jnp.sum(stat(per), axis=0).reshape(kh, kw, cin, cout)
     bias = jnp.sum(stat(jnp.sum(d, axis=1)), axis=0)
   return kernel, (bias if has_bias else None)
