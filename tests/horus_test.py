@@ -193,6 +193,28 @@ class RuleTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, 'sv_method'):
       get_aggregator('horus', sv_method='qr')
 
+  def test_auto_route_is_svd_on_cpu_and_gram_on_accelerators(self):
+    """sv_method='auto' (the default) picks the route by backend: on this
+    backend it gives the named route's result bit for bit, and a wrong
+    resolution (gram on CPU) would differ in the last bits."""
+    self.assertEqual(spectral.default_sv_method('cpu'), 'svd')
+    self.assertEqual(spectral.default_sv_method('gpu'), 'gram')
+    self.assertEqual(spectral.default_sv_method('tpu'), 'gram')
+    rng = np.random.default_rng(7)
+    a = jnp.asarray(rng.normal(size=(8, 20, 6)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(8, 6, 3)), jnp.float32)
+    params = {'l': {'a': jnp.zeros((20, 6)), 'b': jnp.zeros((6, 3))}}
+    infos = {}
+    for method in ('auto', 'svd', 'gram'):
+      agg = get_aggregator('horus', sv_method=method)
+      infos[method] = call_aggregator(
+          agg, {'l': {'a': a, 'b': b}}, jnp.ones(8, bool), agg.init(params),
+          jax.random.key(0), params=params, coverage=None)[2]['hops']
+    named = spectral.default_sv_method()
+    np.testing.assert_array_equal(infos['auto'], infos[named])
+    np.testing.assert_allclose(infos['svd'], infos['gram'], rtol=1e-3,
+                               atol=1e-5)
+
   def test_no_batched_lapack_call_on_cpu(self):
     """Regression: batched LAPACK kernels deadlocked the round on 2 CPU
     devices (spectral.per_matrix). The rule's compiled program may call

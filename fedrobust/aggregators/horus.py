@@ -80,7 +80,7 @@ def _matrix(leaf: jax.Array) -> jax.Array:
 def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
           percentile: float = 95.0, detect: str = 'a',
           projection: bool = True, exclude_ties: bool = False,
-          sv_method: str = 'svd') -> Aggregator:
+          sv_method: str = 'auto') -> Aggregator:
   """Horus's HOPS detection plus projection-guided aggregation.
 
   Args:
@@ -100,7 +100,9 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
     sv_method: 'svd' (jnp.linalg.svd per client matrix) or 'gram' (the
       eigen-decomposition of the smaller Gram matrix,
       spectral.first_left_singular): the same singular values and first
-      directions within float32 error, in one small batched eigh.
+      directions within float32 error, in one small batched eigh. 'auto'
+      (default) is 'svd' on CPU and 'gram' on GPU/TPU
+      (spectral.default_sv_method).
 
   Returns:
     An Aggregator reading `params` (the group's current global values) and
@@ -116,9 +118,10 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
     raise setting('horus', 'top_k', f'must be a positive int, got {top_k!r}')
   if detect not in DETECT:
     raise setting('horus', 'detect', f'{detect!r}; expected one of {DETECT}')
-  if sv_method not in spectral.SV_METHODS:
+  if sv_method not in spectral.SV_CHOICES:
     raise setting('horus', 'sv_method', f'{sv_method!r}; expected one of '
-                  f'{spectral.SV_METHODS}')
+                  f'{spectral.SV_CHOICES}')
+  sv_method = spectral.resolve_sv_method(sv_method)
 
   def matrix_leaves(tree):
     """Flags per leaf: (is a matrix, used for detection)."""
