@@ -111,6 +111,13 @@ step horus_gram_c1000 90 $big $rt --method=horus:horus_sv_method=gram \
   --method_clients=1000 --rounds=2
 step hilora_fedhan_c1000 150 $big $rt --method=hilora,fedhan \
   --method_clients=1000 --rounds=2
+# FedHAN at C = 1000 ran out of memory in session 22 (about 180 MB a client
+# slot: a ring of 8 in-flight updates per slot, three f32 cache rows, and
+# server temporaries). Tickets instead of in-flight updates and a bf16
+# cache bring the CPU-measured model to about 51 GB (BUILD_NOTES §4b).
+step fedhan_lean_c1000 150 $big $rt \
+  --method=fedhan:train_on_arrival=true:max_arrivals=1000:fedhan_cache_dtype=bfloat16 \
+  --method_clients=1000 --rounds=2
 step methods_c1000 120 $big $rt --method=fedavg,sdfc,horus,hilora,fedhan \
   --method_clients=1000 --rounds=2
 # 6. bf16 activations and matmuls, C = 100 and 1000; C = 1000 in f32.
