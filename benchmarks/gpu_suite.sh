@@ -154,7 +154,16 @@ step rfd_lora_text_20 300 $big $py experiments/main.py --flagfile=$text \
 step fedit_text_20 240 $big $py experiments/main.py \
   --flagfile=experiments/configs/text_movies_quick.flags --num_rounds=20 \
   --eval_every=5 --cpu_devices=0 --workdir=/tmp/fedit_text
-for run in rfd_text fedit_text; do
+# 11. The long schedule (session 22: 0.61 s and 0.42 s a round on an H100),
+#     one call each: ONLY=rfd_lora_text_600 and ONLY=fedit_text_600.
+step rfd_lora_text_600 590 $big $py experiments/main.py --flagfile=$text \
+  --num_rounds=600 --eval_every=100 --checkpoint_every=100 --cpu_devices=0 \
+  --workdir=/tmp/rfd_text_600
+step fedit_text_600 590 $big $py experiments/main.py \
+  --flagfile=experiments/configs/text_movies_quick.flags --num_rounds=600 \
+  --eval_every=100 --checkpoint_every=100 --cpu_devices=0 \
+  --workdir=/tmp/fedit_text_600
+for run in rfd_text fedit_text rfd_text_600 fedit_text_600; do
   cp /tmp/$run/summary.json "$out/${run}_summary.json" 2>/dev/null
 done
 cp /tmp/sdfc_paper/summary.json "$out/sdfc_paper_summary.json" 2>/dev/null
