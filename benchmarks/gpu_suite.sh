@@ -154,6 +154,14 @@ step rfd_lora_text_20 300 $big $py experiments/main.py --flagfile=$text \
 step fedit_text_20 240 $big $py experiments/main.py \
   --flagfile=experiments/configs/text_movies_quick.flags --num_rounds=20 \
   --eval_every=5 --cpu_devices=0 --workdir=/tmp/fedit_text
+# HiLoRA's ARI on the domain-skew preset (issue 16) is limited by about
+# 120 snippets a client on CPU (BUILD_NOTES §3f): all the VADER data and
+# 10 root rounds here.
+step hilora_domains_full 300 $big $py experiments/main.py \
+  --flagfile=experiments/configs/hilora_domains_quick.flags \
+  --max_train_examples=0 --hilora_root_rounds=10 --hilora_cluster_rounds=5 \
+  --num_rounds=20 --eval_every=20 --cpu_devices=0 --workdir=/tmp/hilora_full
+cp /tmp/hilora_full/summary.json "$out/hilora_full_summary.json" 2>/dev/null
 # 11. The long schedule (session 22: 0.61 s and 0.42 s a round on an H100),
 #     one call each: ONLY=rfd_lora_text_600 and ONLY=fedit_text_600.
 step rfd_lora_text_600 590 $big $py experiments/main.py --flagfile=$text \
