@@ -105,7 +105,7 @@ step fedavg_sdfc_c100 60 $big $rt --method=fedavg,sdfc --method_clients=100 \
   --rounds=3
 step methods_c100 150 $big $rt --method=fedavg,sdfc,horus,fedhan,hilora \
   --method_clients=10,100 --rounds=3
-step rfd_lora_vit 60 $big $rt --method=rfd_lora:rfd_lora_anchor_dataset=mnist_5k \
+step rfd_lora_vit 150 $big $rt --method=rfd_lora:rfd_lora_anchor_dataset=mnist_5k \
   --preset=hilora_label_skew_quick.flags --method_clients=10,100 --rounds=3
 step horus_gram_c1000 90 $big $rt --method=horus:horus_sv_method=gram \
   --method_clients=1000 --rounds=2
