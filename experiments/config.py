@@ -255,8 +255,9 @@ RESUMABLE_KEYS = frozenset({
     'on_divergence', 'log_clients', 'unseen_epochs'})
 # Changing these on resume is allowed (same math, other program), but the
 # final parameters then match an uninterrupted run only within float
-# tolerance, not bitwise.
-EXECUTION_KEYS = frozenset({
+# tolerance, not bitwise. Method settings declared with execution=True
+# join them (EXECUTION_KEYS, below).
+_CORE_EXECUTION_KEYS = frozenset({
     'client_execution', 'chunk_size', 'scan_unroll', 'conv_impl',
     'num_devices', 'cpu_devices', 'pretrained_dir'})
 
@@ -280,6 +281,11 @@ def method_settings() -> dict[str, tuple[str, Setting]]:
                              f'{out[flag][0]} and {method}')
       out.setdefault(flag, (method, setting))
   return out
+
+
+EXECUTION_KEYS = _CORE_EXECUTION_KEYS | frozenset(
+    flag for flag, (_, setting) in method_settings().items()
+    if setting.execution)
 
 
 def all_settings() -> dict[str, Setting]:

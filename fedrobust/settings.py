@@ -27,6 +27,9 @@ class Setting(NamedTuple):
   arg: the factory's keyword if it differs from `name` ('lambda' is a
     Python keyword, so SDFC's factory takes `lam`).
   shared: see `name`.
+  execution: how a result is computed, not what it is (e.g. an SVD or a
+    Gram route to the same singular values): equal results within float
+    tolerance, so a resumed run may change it.
   """
   name: str
   default: Any
@@ -34,6 +37,7 @@ class Setting(NamedTuple):
   choices: tuple[str, ...] = ()
   arg: str = ''
   shared: bool = False
+  execution: bool = False
 
   @property
   def kwarg(self) -> str:

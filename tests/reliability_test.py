@@ -269,6 +269,28 @@ class FindingsTest(_Data, parameterized.TestCase):
     with self.assertRaises(train.ConfigMismatchError):
       prepare(dict(defaults, data_dir='/elsewhere'))
 
+  def test_10_execution_settings_may_change_on_resume(self):
+    """A method setting declared execution=True (how, not what) may change
+    on resume, e.g. runs saved with --horus_sv_method=svd before 'auto'
+    became the default; a result-changing setting may not."""
+    self.assertIn('horus_sv_method', train.EXECUTION_KEYS)
+    self.assertIn('sdfc_fisher_impl', train.EXECUTION_KEYS)
+    self.assertNotIn('horus_percentile', train.EXECUTION_KEYS)
+    workdir = self.create_tempdir().full_path
+    defaults = dict(train.config_lib.defaults(), workdir=workdir)
+    prepare = functools.partial(
+        workdir_lib.prepare, defaults=defaults,
+        resumable=train.RESUMABLE_KEYS, execution=train.EXECUTION_KEYS,
+        normalize=train.normalize)
+    prepare(dict(defaults, method='horus', horus_sv_method='svd'))
+    with self.assertLogs(level='WARNING') as logs:
+      prepare(dict(defaults, method='horus', horus_sv_method='auto'))
+    self.assertTrue(any('horus_sv_method' in m for m in logs.output))
+    with self.assertRaisesRegex(train.ConfigMismatchError,
+                                'horus_percentile'):
+      prepare(dict(defaults, method='horus', horus_sv_method='auto',
+                   horus_percentile=90.0))
+
   def test_10_fewer_rounds_on_resume_is_refused(self):
     workdir = self.create_tempdir().full_path
     self._run_to(workdir, 3)

@@ -47,7 +47,7 @@ HOPS_SETTINGS = (
             'first directions: svd (one SVD per client matrix), gram (a '
             'batched eigh of the smaller Gram matrix; equal within float32 '
             'error) or auto: svd on CPU, gram on GPU/TPU, where it is 66x '
-            'faster at C = 100.', choices=SV_CHOICES),
+            'faster at C = 100.', choices=SV_CHOICES, execution=True),
 )
 
 

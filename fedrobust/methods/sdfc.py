@@ -284,7 +284,7 @@ SDFC = MethodSpec(
         Setting('fisher_impl', 'factored', 'How per-example Fisher terms '
                 'are computed: factored (one backward pass, per-layer '
                 'products) or vmap (per-example gradients); same math.',
-                choices=FISHER_IMPLS),
+                choices=FISHER_IMPLS, execution=True),
     ),
     server_data=('validation',),
     default_aggregator=default_aggregator,
