@@ -256,14 +256,19 @@ class FindingsTest(_Data, parameterized.TestCase):
                         for m in logs.output))
     self.assertEqual(summary['metrics_missing_before_round'], 3)
 
-  def test_10_explicit_default_data_dir_is_the_same_config(self):
-    from fedrobust.data import DEFAULT_FASHION_MNIST_DIR  # pylint: disable=g-import-not-at-top
+  def _prepare_in_tempdir(self):
+    """(the config defaults in a fresh workdir, workdir.prepare bound to
+    the runner's key sets)."""
     workdir = self.create_tempdir().full_path
     defaults = dict(train.config_lib.defaults(), workdir=workdir)
-    prepare = functools.partial(
+    return defaults, functools.partial(
         workdir_lib.prepare, defaults=defaults,
         resumable=train.RESUMABLE_KEYS, execution=train.EXECUTION_KEYS,
         normalize=train.normalize)
+
+  def test_10_explicit_default_data_dir_is_the_same_config(self):
+    from fedrobust.data import DEFAULT_FASHION_MNIST_DIR  # pylint: disable=g-import-not-at-top
+    defaults, prepare = self._prepare_in_tempdir()
     prepare(dict(defaults, data_dir=None))
     prepare(dict(defaults, data_dir=DEFAULT_FASHION_MNIST_DIR))  # no error
     with self.assertRaises(train.ConfigMismatchError):
@@ -276,12 +281,7 @@ class FindingsTest(_Data, parameterized.TestCase):
     self.assertIn('horus_sv_method', train.EXECUTION_KEYS)
     self.assertIn('sdfc_fisher_impl', train.EXECUTION_KEYS)
     self.assertNotIn('horus_percentile', train.EXECUTION_KEYS)
-    workdir = self.create_tempdir().full_path
-    defaults = dict(train.config_lib.defaults(), workdir=workdir)
-    prepare = functools.partial(
-        workdir_lib.prepare, defaults=defaults,
-        resumable=train.RESUMABLE_KEYS, execution=train.EXECUTION_KEYS,
-        normalize=train.normalize)
+    defaults, prepare = self._prepare_in_tempdir()
     prepare(dict(defaults, method='horus', horus_sv_method='svd'))
     with self.assertLogs(level='WARNING') as logs:
       prepare(dict(defaults, method='horus', horus_sv_method='auto'))
