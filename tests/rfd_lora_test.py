@@ -16,7 +16,7 @@ from fedrobust.cohort import single_cohort
 from fedrobust.errors import SettingError
 from fedrobust.methods import get_method
 from fedrobust.methods import rfd_distill
-from fedrobust.methods.rfd_lora import anchor_logits
+from fedrobust.methods.rfd_lora import anchor_logits, label_prior_offset
 from fedrobust.transforms import identity, lora
 from fedrobust.types import Arrivals, ClientOutput, LocalData
 from tests.engine_test import IMAGE, NUM_CLASSES, toy_data
@@ -146,6 +146,39 @@ class RFDLoRATest(absltest.TestCase):
                                       minlength=NUM_CLASSES)))
     self.assertEqual(float(info['student_top_class']), top)
     self.assertEqual(float(info['consensus_top_class']), top)
+
+  def test_label_prior_offset_against_numpy(self):
+    # Rows past count are padding (here class 2, which must not count).
+    y = jnp.asarray([0, 0, 0, 1, 2, 2, 2, 2], jnp.int32)
+    got = np.asarray(label_prior_offset(y, jnp.asarray(4), 3))
+    log_p = np.log((np.array([3, 1, 0]) + 1.0) / (4 + 3))
+    np.testing.assert_allclose(got, log_p - log_p.mean(), rtol=1e-6,
+                               atol=1e-6)
+    balanced = label_prior_offset(jnp.asarray([0, 1, 2, 0, 1, 2]),
+                                  jnp.asarray(6), 3)
+    np.testing.assert_allclose(np.asarray(balanced), 0.0, atol=1e-7)
+
+  def test_prior_correction_shifts_each_clients_anchor_logits(self):
+    """With the switch on, a client's upload is its plain logits minus
+    its own label_prior_offset (clip wide enough not to bind)."""
+    uploads = []
+    for on in (False, True):
+      _, method, _, state, data, anchors = start(prior_correction=on,
+                                                 clip=1e4)
+      ids = jnp.arange(K, dtype=jnp.int32)
+      cs = method.client_state(state.method_state, 0, ids)
+      out = method.client_update(
+          0, method.broadcast(state, 0), jax.tree.map(lambda l: l[1], cs),
+          LocalData(data.x, data.y, ids[1], data.count[1]),
+          jax.random.key(5), {'anchors': anchors})
+      uploads.append(np.asarray(out.delta['logits']))
+    y = np.asarray(data.y[1, :int(data.count[1])])
+    log_p = np.log((np.bincount(y, minlength=NUM_CLASSES) + 1.0) /
+                   (len(y) + NUM_CLASSES))
+    offset = log_p - log_p.mean()
+    self.assertGreater(np.abs(offset).max(), 0.1)     # a skewed client
+    np.testing.assert_allclose(uploads[1], uploads[0] - offset[None, :],
+                               rtol=1e-5, atol=1e-5)
 
 
 if __name__ == '__main__':

@@ -37,6 +37,11 @@ Deviations and assumptions (say so in results):
   * The anchors come from a domain the clients do not hold (App. G:
     "public corpora disjoint from private data"); the runner builds them
     (experiments/train.py, server data 'anchors').
+  * `prior_correction` (off by default; not in the paper): each client
+    subtracts the centred log of its own label shares from its anchor
+    logits before clipping (logit adjustment, Menon et al., ICLR 2021).
+    Under label skew the consensus is otherwise a vote among the
+    clients' label priors (BUILD_NOTES §3e, session 21).
 
 References:
   RFD-LoRA (under review), Sec. 3-4, Algorithm 1, Appendix G-H.
@@ -83,6 +88,18 @@ def top_class(logits: jax.Array) -> jax.Array:
   return jnp.argmax(_class_counts(logits)).astype(jnp.float32)
 
 
+def label_prior_offset(y: jax.Array, count: jax.Array,
+                       num_classes: int) -> jax.Array:
+  """The centred log label shares of one client's first `count` labels
+  y [N]: log p_c - mean_c log p_c, with p add-one smoothed so an absent
+  class stays finite. Subtracted from logits it removes the client's
+  label prior (logit adjustment); zero for balanced labels."""
+  valid = jnp.arange(y.shape[0]) < count
+  counts = jnp.sum(jax.nn.one_hot(y, num_classes) * valid[:, None], axis=0)
+  log_p = jnp.log((counts + 1.0) / (count.astype(jnp.float32) + num_classes))
+  return log_p - jnp.mean(log_p)
+
+
 class RFDState(NamedTuple):
   base: Any            # the frozen base W0 (full params)
   adapters: Any        # every client's own adapter, leaves [K, ...]
@@ -116,7 +133,8 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
              distill_lr: float = 3e-5, distill_steps: int = 1,
              distill_optimizer: str = 'sgd',
              anchor_batch: int = 128, anchor_dataset: str = 'vader_amazon',
-             anchor_fraction: float = 0.1) -> Method:
+             anchor_fraction: float = 0.1,
+             prior_correction: bool = False) -> Method:
   """RFD-LoRA on one LoRA cohort.
 
   Args:
@@ -137,6 +155,8 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     anchor_batch: anchors per forward pass.
     anchor_dataset, anchor_fraction: read by the runner to build the
       anchors (server data 'anchors').
+    prior_correction: subtract each client's centred log label shares
+      from its anchor logits (label_prior_offset; not in the paper).
   """
   del aggregator, server_lr, num_clients, anchor_dataset
   if len(cohorts) != 1 or cohorts[0].transform.name != 'lora':
@@ -195,8 +215,12 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     new, metrics = local_sgd(classification_loss(apply), masked(own, cov),
                              data, key, optimizer=optimizer, config=local,
                              poison=poison)
-    z = anchor_logits(apply, new, server_data['anchors'], anchor_batch)
-    z = jnp.clip(z.astype(jnp.float32), -clip, clip)
+    z = anchor_logits(apply, new, server_data['anchors'],
+                      anchor_batch).astype(jnp.float32)
+    if prior_correction:
+      z = z - label_prior_offset(data.y[data.client_id], data.count,
+                                 z.shape[-1])[None, :]
+    z = jnp.clip(z, -clip, clip)
     metrics = {**metrics, 'anchor_top_share': top_class_share(z),
                'anchor_top_class': top_class(z)}
     return ClientOutput(delta={'logits': z},
@@ -297,6 +321,11 @@ RFD_LORA = MethodSpec(
                 'anchors are drawn from (a domain the clients do not hold).'),
         Setting('anchor_fraction', 0.1, 'Anchors as a share of the training '
                 'examples (App. G: 10%).'),
+        Setting('prior_correction', False, "Not in the paper: each client "
+                "subtracts the centred log of its own label shares from its "
+                "anchor logits before clipping (logit adjustment), so that "
+                "under label skew the consensus is not a vote among the "
+                "clients' label priors."),
     ),
     default_aggregator=lambda s: 'mean',   # built by the runner, unused
     validate=_validate,
