@@ -7,15 +7,68 @@ same `jax.sharding.Mesh` path used for GPUs and TPUs) runs clients side by
 side instead: on the 2-core development box the simple-CNN round is about
 1.8x faster with 2 devices than with 1 (BUILD_NOTES §4). The count must be
 set before JAX starts its CPU backend, so this lives with the host code.
+
+Several CPU devices meet at every cross-device collective, and XLA:CPU
+aborts the whole process (SIGABRT, 'Termination timeout ... of 40 seconds
+exceeded') when one device thread reaches a rendezvous more than 40 s
+after another. On an oversubscribed host (several runs sharing 2 cores),
+or when a run is paused with SIGSTOP, one thread can lag that long, and a
+finished-looking sweep cell dies (BUILD_NOTES §4b, session 23). So the
+termination timeout is raised to an hour before the backend starts.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import jax
 
 _XLA_FLAG = '--xla_force_host_platform_device_count'
+_TIMEOUT_FLAG = '--xla_cpu_collective_call_terminate_timeout_seconds'
+COLLECTIVE_TIMEOUT_S = 3600
+# The first jaxlib this flag was checked on (0.10.2). XLA aborts a process
+# whose XLA_FLAGS name a flag it does not know, so older ones are left alone.
+_TIMEOUT_FLAG_SINCE = (0, 10)
+
+
+def _version(text: str) -> tuple[int, ...]:
+  parts = []
+  for part in text.split('.')[:3]:
+    digits = ''.join(c for c in part if c.isdigit())
+    if not digits:
+      break
+    parts.append(int(digits))
+  return tuple(parts)
+
+
+def _accelerator_plugin() -> bool:
+  """Whether a GPU or TPU plugin is installed (there the round's
+  collectives are not XLA:CPU's, and the flag is left out: it was only
+  checked on the CPU-only jaxlib)."""
+  return any(importlib.util.find_spec(name) is not None for name in
+             ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'libtpu'))
+
+
+def relax_collective_timeout(seconds: int = COLLECTIVE_TIMEOUT_S,
+                             jaxlib_version: str | None = None,
+                             accelerator: bool | None = None) -> bool:
+  """Raises XLA:CPU's rendezvous termination timeout (default 40 s) to
+  `seconds` through XLA_FLAGS, unless XLA_FLAGS already sets it, the
+  jaxlib predates the flag or a GPU/TPU plugin is installed. Takes effect
+  only before the CPU backend starts. Returns whether it changed
+  XLA_FLAGS."""
+  if jaxlib_version is None:
+    import jaxlib  # pylint: disable=g-import-not-at-top
+    jaxlib_version = jaxlib.__version__
+  if accelerator is None:
+    accelerator = _accelerator_plugin()
+  current = os.environ.get('XLA_FLAGS', '')
+  if (_TIMEOUT_FLAG + '=' in current or accelerator or
+      _version(jaxlib_version) < _TIMEOUT_FLAG_SINCE):
+    return False
+  os.environ['XLA_FLAGS'] = f'{current} {_TIMEOUT_FLAG}={seconds}'.strip()
+  return True
 
 
 def available_cores() -> int:
@@ -41,7 +94,8 @@ def auto_cpu_devices(clients_per_round: int, cores: int | None = None) -> int:
 
 
 def configure_cpu_devices(cpu_devices: int, clients_per_round: int) -> int:
-  """Sets JAX's CPU device count; call before any JAX computation.
+  """Sets JAX's CPU device count (and relax_collective_timeout); call
+  before any JAX computation.
 
   Args:
     cpu_devices: the --cpu_devices flag; 0 picks auto_cpu_devices.
@@ -59,6 +113,7 @@ def configure_cpu_devices(cpu_devices: int, clients_per_round: int) -> int:
   """
   if cpu_devices < 0:
     raise ValueError(f'--cpu_devices must be >= 0, got {cpu_devices}')
+  relax_collective_timeout()
   for flag in reversed(os.environ.get('XLA_FLAGS', '').split()):
     if flag.startswith(_XLA_FLAG + '='):    # XLA reads the last one
       return int(flag.split('=', 1)[1])

@@ -335,10 +335,14 @@ def failure(returncode: int, stderr: str) -> tuple[str, str]:
   lines = stderr.splitlines()
   errors = [l for l in lines if l.startswith('error:')]
   fatal = [l for l in lines if l.startswith('Fatal Python error')]
+  # XLA's own fatal check ('F1127 10:44:57.65 8658 file.cc:161] why')
+  # names the cause of an abort, e.g. a collective's rendezvous timeout.
+  checks = [l.split('] ', 1)[1] for l in lines
+            if re.match(r'F\d{4} \d', l) and '] ' in l]
   if errors:
     message = errors[-1][len('error: '):]
   elif fatal:
-    message = fatal[-1]
+    message = fatal[-1] + (f' after XLA: {checks[-1]}' if checks else '')
   else:   # a crash: its last line names the exception
     tail = [l for l in lines if l.strip()]
     message = tail[-1] if tail else f'exit {returncode}'

@@ -43,6 +43,12 @@ if os.environ.get('FEDROBUST_TEST_COMPILE_CACHE', '1') != '0':
 from absl import flags
 import jax
 
+from experiments import devices
+
+# Four devices on two cores: a device thread that lags 40 s behind another
+# at a collective would abort the xdist worker (experiments/devices.py).
+devices.relax_collective_timeout()
+
 jax.config.update('jax_numpy_rank_promotion', 'raise')
 
 # absltest's create_tempdir() reads --test_tmpdir; pytest never parses flags.

@@ -67,6 +67,57 @@ class CpuDevicesTest(absltest.TestCase):
     late = run('late')
     self.assertIn('refused: --cpu_devices=3', late)
 
+  def test_collective_timeout_is_raised_once_and_never_overridden(self):
+    flag = devices._TIMEOUT_FLAG
+    with mock.patch.dict(os.environ, {'XLA_FLAGS': '--xla_foo=1'}):
+      self.assertTrue(devices.relax_collective_timeout(77, '0.10.2', False))
+      self.assertEqual(os.environ['XLA_FLAGS'], f'--xla_foo=1 {flag}=77')
+      # Already set (by us or by the user): left as it is.
+      self.assertFalse(devices.relax_collective_timeout(5, '0.10.2', False))
+      self.assertEqual(os.environ['XLA_FLAGS'], f'--xla_foo=1 {flag}=77')
+    with mock.patch.dict(os.environ, {'XLA_FLAGS': ''}):
+      # A jaxlib older than the flag would abort on it: not added.
+      self.assertFalse(devices.relax_collective_timeout(77, '0.4.30', False))
+      self.assertEqual(os.environ['XLA_FLAGS'], '')
+      # With a GPU or TPU plugin installed: left out.
+      self.assertFalse(devices.relax_collective_timeout(77, '0.10.2', True))
+      self.assertEqual(os.environ['XLA_FLAGS'], '')
+      self.assertTrue(devices.relax_collective_timeout(77, '0.11.0rc1',
+                                                       False))
+    self.assertEqual(devices._version('0.10.2.dev20260101'), (0, 10, 2))
+
+  def test_this_jaxlib_accepts_the_timeout_and_a_late_thread_survives(self):
+    """A fresh process gets the flag from configure_cpu_devices, XLA
+    accepts it (an unknown XLA flag aborts at start), and two CPU devices
+    meet at an all-gather with one thread a few seconds late."""
+    script = textwrap.dedent("""
+        import os, sys
+        sys.path.insert(0, {repo!r})
+        import jax, jax.numpy as jnp
+        from experiments import devices
+        devices.configure_cpu_devices(2, 2)
+        print(os.environ.get('XLA_FLAGS', ''))
+        from jax.sharding import Mesh, PartitionSpec as P
+        mesh = Mesh(jax.devices(), ('d',))
+        def body(x):
+          late = jnp.where(jax.lax.axis_index('d') == 0, 200, 1)
+          _, x = jax.lax.while_loop(lambda c: c[0] < late,
+              lambda c: (c[0] + 1, jnp.tanh(c[1] @ c[1].T)), (0, x))
+          return jax.lax.all_gather(x, 'd', tiled=True)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('d'),
+                                  out_specs=P(), check_vma=False))
+        print(f(jnp.full((256, 128), 0.01)).shape)
+        """).format(repo=_REPO)
+    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+    env['JAX_PLATFORMS'] = 'cpu'
+    out = subprocess.run([sys.executable, '-c', script], env=env,
+                         capture_output=True, text=True, timeout=300)
+    self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+    lines = out.stdout.strip().splitlines()
+    self.assertIn(f'{devices._TIMEOUT_FLAG}={devices.COLLECTIVE_TIMEOUT_S}',
+                  lines[0])
+    self.assertEqual(lines[-1], '(256, 128)')
+
 
 if __name__ == '__main__':
   absltest.main()

@@ -367,6 +367,12 @@ def test_a_crash_is_named_by_its_fatal_line_not_the_module_list():
   assert status == 'failed'
   assert note.startswith('signal 6: Fatal Python error: Aborted')
   assert sweep.CELL_STDERR in note
+  xla = ('I1127 10:35:11.87 1 train.py:1086] compiled\n'
+         'F1127 10:44:57.653862 8658 rendezvous.cc:161] [id=0] Termination '
+         'timeout for `all gather` of 40 seconds exceeded.\n' + stderr)
+  _, note = sweep.failure(-6, xla)
+  assert note.startswith('signal 6: Fatal Python error: Aborted after XLA: '
+                         '[id=0] Termination timeout for `all gather` of 40')
   status, note = sweep.failure(1, 'Traceback:\nValueError: bad | value\n')
   assert (status, note.split(' (whole')[0]) == ('failed',
                                                 'ValueError: bad / value')
