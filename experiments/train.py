@@ -47,7 +47,7 @@ from fedrobust.checkpoint import CheckpointError, Checkpointer
 from fedrobust.cohort import Cohort, split_roles
 from fedrobust.data import (DEFAULT_FASHION_MNIST_DIR, DataNotFoundError,
                             build_federated_setup, hold_out, load_dataset,
-                            subsample)
+                            subsample, unused_rows)
 from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               client_mesh, default_strategy, evaluate,
                               evaluate_clients, init_server_state,
@@ -873,22 +873,40 @@ class DivergenceError(RuntimeError):
 def anchor_inputs(name: str, fraction: float, train_size: int,
                   input_shape: tuple[int, ...], config) -> np.ndarray:
   """A public anchor set: round(fraction * train_size) training inputs of
-  dataset `name` (labels dropped), drawn with the run's seed."""
+  dataset `name` (labels dropped), drawn with the run's seed.
+
+  When `name` is the clients' own dataset, the anchors are in-domain
+  public data: they are drawn only from the training rows that
+  --max_train_examples leaves out, so no client, newcomer or server split
+  holds them.
+  """
   flag = f"--{config['method']}_anchor_dataset"
-  if name == config['dataset']:
-    raise ValueError(f'{flag}={name} is the clients\' own dataset; the '
-                     'anchors must come from a disjoint public domain')
-  anchors = load_dataset(name, None).train_x
+  in_domain = name == config['dataset']
+  anchors = load_dataset(name, config['data_dir'] if in_domain
+                         else None).train_x
   if tuple(anchors.shape[1:]) != tuple(input_shape):
     raise ValueError(f'{flag}={name} stores examples of shape '
                      f'{anchors.shape[1:]}, the clients {input_shape}')
+  pool = np.arange(len(anchors))
+  if in_domain:
+    pool = unused_rows(len(anchors), config['max_train_examples'],
+                       config['seed'])
+    if not len(pool):
+      raise ValueError(
+          f"{flag}={name} is the clients' own dataset, and the clients "
+          f'hold all {len(anchors)} of its training examples: set '
+          f'--max_train_examples below {len(anchors)} so that in-domain '
+          'anchors can be drawn from the rest, or name a disjoint public '
+          'dataset')
   n = max(1, int(round(fraction * train_size)))
-  if n > len(anchors):
-    raise ValueError(f'{flag}={name} has {len(anchors)} examples, fewer '
+  if n > len(pool):
+    where = ('training examples the clients do not hold' if in_domain
+             else 'examples')
+    raise ValueError(f'{flag}={name} has {len(pool)} {where}, fewer '
                      f'than the {n} anchors asked for')
   rows = np.random.default_rng(config['seed'] + 11).choice(
-      len(anchors), n, replace=False)
-  return anchors[np.sort(rows)]
+      len(pool), n, replace=False)
+  return anchors[pool[np.sort(rows)]]
 
 
 def run(config: dict[str, Any]) -> dict[str, Any]:

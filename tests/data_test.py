@@ -532,6 +532,51 @@ class IdxTest(parameterized.TestCase):
       sources.load_idx(directory)
 
 
+class InDomainAnchorsTest(absltest.TestCase):
+  """RFD-LoRA's anchors from the clients' own dataset come only from the
+  training rows that --max_train_examples leaves out."""
+
+  def _config(self, directory, max_train_examples):
+    return {'method': 'rfd_lora', 'dataset': 'idx', 'data_dir': directory,
+            'max_train_examples': max_train_examples, 'seed': 3}
+
+  def test_rows_are_the_complement_of_the_subsample(self):
+    kept = federated.subsample_rows(50, 20, seed=3)
+    dropped = federated.unused_rows(50, 20, seed=3)
+    self.assertLen(kept, 20)
+    np.testing.assert_array_equal(np.sort(np.concatenate([kept, dropped])),
+                                  np.arange(50))
+    ds = sources.Dataset(np.arange(50)[:, None], np.zeros(50, np.int32),
+                         np.zeros((1, 1)), np.zeros(1, np.int32), 2, 't')
+    np.testing.assert_array_equal(
+        federated.subsample(ds, 20, seed=3).train_x[:, 0], kept)
+    self.assertEmpty(federated.unused_rows(50, 0, seed=3))
+    self.assertEmpty(federated.unused_rows(50, 50, seed=3))
+
+  def test_anchors_are_disjoint_from_the_clients_data(self):
+    from experiments import train  # pylint: disable=g-import-not-at-top
+    directory = self.create_tempdir().full_path
+    _write_idx_dir(directory, num_train=40, num_test=2)
+    config = self._config(directory, 25)
+    anchors = train.anchor_inputs('idx', 0.4, 25, (28, 28, 1), config)
+    self.assertEqual(anchors.shape, (10, 28, 28, 1))
+    full = sources.load_dataset('idx', directory).train_x
+    held = federated.subsample(sources.load_dataset('idx', directory), 25,
+                               config['seed']).train_x
+    as_rows = lambda a: {r.tobytes() for r in a}
+    self.assertEqual(len(as_rows(full)), 40)  # every row is distinct
+    self.assertEmpty(as_rows(anchors) & as_rows(held))
+    self.assertLen(as_rows(anchors), 10)
+    with self.assertRaisesRegex(ValueError, r'--rfd_lora_anchor_dataset=idx '
+                                r'has 15 training examples the clients do '
+                                r'not hold, fewer than the 16'):
+      train.anchor_inputs('idx', 0.64, 25, (28, 28, 1), config)
+    with self.assertRaisesRegex(ValueError, r"clients' own dataset.*hold all "
+                                r'40.*--max_train_examples below 40'):
+      train.anchor_inputs('idx', 0.1, 40, (28, 28, 1),
+                          self._config(directory, 0))
+
+
 class RegistryTest(absltest.TestCase):
 
   def test_names(self):

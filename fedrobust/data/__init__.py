@@ -4,7 +4,8 @@ from fedrobust.data.federated import (EvalSet, FederatedSetup,
                                       build_federated_setup, hold_out,
                                       select_clients, stack_clients,
                                       stack_eval_sets, subsample,
-                                      unseen_clients)
+                                      subsample_rows, unseen_clients,
+                                      unused_rows)
 from fedrobust.data.partition import PARTITIONERS, class_histograms
 from fedrobust.data.sources import (DATASETS, DEFAULT_FASHION_MNIST_DIR,
                                     DataNotFoundError, Dataset, load_dataset)

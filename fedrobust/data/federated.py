@@ -81,13 +81,30 @@ def stack_eval_sets(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray],
   return EvalSet(out_x, out_y, out_m)
 
 
+def subsample_rows(num_train: int, max_train_examples: int,
+                   seed: int) -> np.ndarray:
+  """Sorted indices of the training rows that `subsample` keeps."""
+  if max_train_examples <= 0 or max_train_examples >= num_train:
+    return np.arange(num_train)
+  return np.sort(np.random.default_rng(seed).choice(
+      num_train, max_train_examples, replace=False))
+
+
+def unused_rows(num_train: int, max_train_examples: int,
+                seed: int) -> np.ndarray:
+  """Sorted indices of the training rows that `subsample` drops: data no
+  client, newcomer or server split is built from (empty when it keeps
+  everything)."""
+  return np.setdiff1d(np.arange(num_train),
+                      subsample_rows(num_train, max_train_examples, seed))
+
+
 def subsample(dataset: Dataset, max_train_examples: int,
               seed: int) -> Dataset:
   """A seeded random subset of the training split (0 keeps everything)."""
   if max_train_examples <= 0 or max_train_examples >= len(dataset.train_y):
     return dataset
-  keep = np.sort(np.random.default_rng(seed).choice(
-      len(dataset.train_y), max_train_examples, replace=False))
+  keep = subsample_rows(len(dataset.train_y), max_train_examples, seed)
   groups = dataset.train_groups
   return dataset._replace(train_x=dataset.train_x[keep],
                           train_y=dataset.train_y[keep],

@@ -36,7 +36,9 @@ Deviations and assumptions (say so in results):
     default; its gamma (3e-5 for RoBERTa-large) is a setting to tune.
   * The anchors come from a domain the clients do not hold (App. G:
     "public corpora disjoint from private data"); the runner builds them
-    (experiments/train.py, server data 'anchors').
+    (experiments/train.py, server data 'anchors'). Not in the paper: the
+    clients' own dataset may be named, and then the anchors are training
+    rows that no client holds (in-domain public data).
   * `prior_correction` (off by default; not in the paper): each client
     subtracts the centred log of its own label shares from its anchor
     logits before clipping (logit adjustment, Menon et al., ICLR 2021).
@@ -318,7 +320,10 @@ RFD_LORA = MethodSpec(
                 choices=('sgd', 'adam')),
         Setting('anchor_batch', 128, 'Anchors per forward pass.'),
         Setting('anchor_dataset', 'vader_amazon', 'Dataset the public '
-                'anchors are drawn from (a domain the clients do not hold).'),
+                'anchors are drawn from: a domain the clients do not hold, '
+                "or the clients' own dataset, whose training rows that "
+                '--max_train_examples leaves out then serve as in-domain '
+                'anchors (not in the paper).'),
         Setting('anchor_fraction', 0.1, 'Anchors as a share of the training '
                 'examples (App. G: 10%).'),
         Setting('prior_correction', False, "Not in the paper: each client "
