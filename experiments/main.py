@@ -51,8 +51,10 @@ def define_flags(settings: dict) -> None:
 
 define_flags(config_lib.all_settings())
 flags.DEFINE_boolean('distributed', False, 'Call jax.distributed.initialize() '
-                     'first (multi-host TPU/GPU; untested here, see '
-                     'BUILD_NOTES.md).')
+                     'first (multi-host TPU/GPU). The compiled round runs '
+                     'multi-process (tests/multiprocess_test.py), but the '
+                     "runner's checkpoints and files do not yet: see "
+                     'BUILD_NOTES.md, "Multi-process".')
 
 FLAGS = flags.FLAGS
 

@@ -1,0 +1,87 @@
+"""One process of tests/multiprocess_test.py: compiled rounds under
+jax.distributed (multi-controller JAX) on CPU.
+
+  python tests/multiprocess_worker.py OUT_JSON DATA_DIR NUM_DEVICES \
+      [COORDINATOR NUM_PROCESSES PROCESS_ID]
+
+With the last three arguments the process joins a jax.distributed job
+(gloo collectives between CPU processes, as between the hosts of a pod
+slice); without them it runs alone. Either way it builds the run config
+of the test below, places the data and state replicated on a NUM_DEVICES
+mesh spanning every process's devices, runs ROUNDS compiled rounds, and
+writes each round's metrics and the final global parameters' sha256 (as
+seen by this process) to OUT_JSON. NUM_DEVICES >= 2 (the mesh is the
+runner's, which has none on one device). $FEDROBUST_MP_OVERRIDES, a JSON
+object, overrides CONFIG's settings (e.g. {"method": "sdfc", ...}).
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+if __package__ in (None, ''):   # run as a script: make the repo importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+
+ROUNDS = 2
+# A robust rule under a model-poisoning attack, so that the attack's
+# statistics and the rule's sort/trim see every client of the round.
+CONFIG = dict(
+    dataset='idx', model='mlp', num_clients=8, clients_per_round=6,
+    local_test_fraction=0.0, num_rounds=ROUNDS, batch_size=32,
+    local_lr=0.05, eval_batch_size=50, aggregator='trimmed_mean',
+    attack='lie', malicious_fraction=0.25, seed=3)
+
+
+def main(argv):
+  out_path, data_dir, num_devices = argv[1], argv[2], int(argv[3])
+  import jax  # pylint: disable=g-import-not-at-top
+  if len(argv) > 4:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(coordinator_address=argv[4],
+                               num_processes=int(argv[5]),
+                               process_id=int(argv[6]))
+  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec
+  from experiments import config as config_lib
+  from experiments import train
+  from fedrobust.engine import round as round_lib
+  # pylint: enable=g-import-not-at-top
+
+  config = config_lib.defaults()
+  config.update(CONFIG, data_dir=data_dir, num_devices=num_devices,
+                workdir='unused')
+  config.update(json.loads(os.environ.get('FEDROBUST_MP_OVERRIDES', '{}')))
+  program = train.build(config)
+  replicated = NamedSharding(program.mesh, PartitionSpec())
+  put = lambda tree: jax.device_put(tree, replicated)
+  data = put(jax.tree.map(jnp.asarray, program.setup.train))
+  server_data = put(program.server_data)
+  state = put(round_lib.init_server_state(
+      program.method, train.initial_params(program.cohorts, config['seed']),
+      config['num_clients'], config['seed'] + 1,
+      config=program.round_config, data=data, server_data=server_data))
+  step = jax.jit(round_lib.make_round_step(
+      program.method, program.round_config, mesh=program.mesh,
+      threat=program.threat.threat), out_shardings=replicated)
+  rounds = []
+  for _ in range(ROUNDS):
+    state, metrics = step(state, data, server_data)
+    rounds.append({k: float(np.asarray(v)) for k, v in metrics.items()
+                   if np.ndim(v) == 0})
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(state.params):
+    digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+  with open(out_path, 'w') as f:
+    json.dump({'process_index': jax.process_index(),
+               'process_count': jax.process_count(),
+               'devices': jax.device_count(),
+               'local_devices': jax.local_device_count(),
+               'rounds': rounds, 'params_sha256': digest.hexdigest()}, f)
+
+
+if __name__ == '__main__':
+  main(sys.argv)
