@@ -38,7 +38,7 @@ class MultiProcessTest(absltest.TestCase):
     return env
 
   def _result(self, proc, path):
-    _, err = proc.communicate(timeout=600)
+    _, err = proc.communicate(timeout=300)
     self.assertEqual(proc.returncode, 0, err.decode()[-3000:])
     with open(path) as f:
       return json.load(f)
@@ -54,7 +54,13 @@ class MultiProcessTest(absltest.TestCase):
         [sys.executable, WORKER, outs[i], data_dir, '2', coordinator, '2',
          str(i)], env=self._env(1), cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE) for i in range(2)]
-    parts = [self._result(p, o) for p, o in zip(procs, outs)]
+    try:   # a process that fails leaves its peer waiting: stop both
+      parts = [self._result(p, o) for p, o in zip(procs, outs)]
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
     single_out = os.path.join(tmp, 'single.json')
     single = self._result(subprocess.Popen(
         [sys.executable, WORKER, single_out, data_dir, '2'], env=self._env(2),
