@@ -15,7 +15,6 @@ runner's, which has none on one device). $FEDROBUST_MP_OVERRIDES, a JSON
 object, overrides CONFIG's settings (e.g. {"method": "sdfc", ...}).
 """
 
-import hashlib
 import json
 import os
 import sys
@@ -72,15 +71,13 @@ def main(argv):
     state, metrics = step(state, data, server_data)
     rounds.append({k: float(np.asarray(v)) for k, v in metrics.items()
                    if np.ndim(v) == 0})
-  digest = hashlib.sha256()
-  for leaf in jax.tree.leaves(state.params):
-    digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
   with open(out_path, 'w') as f:
     json.dump({'process_index': jax.process_index(),
                'process_count': jax.process_count(),
                'devices': jax.device_count(),
                'local_devices': jax.local_device_count(),
-               'rounds': rounds, 'params_sha256': digest.hexdigest()}, f)
+               'rounds': rounds,
+               'params_sha256': train.params_sha256(state.params)}, f)
 
 
 if __name__ == '__main__':

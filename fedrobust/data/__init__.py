@@ -4,8 +4,7 @@ from fedrobust.data.federated import (EvalSet, FederatedSetup,
                                       build_federated_setup, hold_out,
                                       select_clients, stack_clients,
                                       stack_eval_sets, subsample,
-                                      subsample_rows, unseen_clients,
-                                      unused_rows)
+                                      unseen_clients, unused_rows)
 from fedrobust.data.partition import PARTITIONERS, class_histograms
 from fedrobust.data.sources import (DATASETS, DEFAULT_FASHION_MNIST_DIR,
                                     DataNotFoundError, Dataset, load_dataset)
