@@ -31,9 +31,13 @@ def _free_port() -> int:
 class MultiProcessTest(absltest.TestCase):
 
   def _env(self, devices_per_process: int) -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS='cpu',
-               XLA_FLAGS=f'--xla_force_host_platform_device_count='
-                         f'{devices_per_process}')
+    # Only the device count differs from the suite's own XLA_FLAGS
+    # (conftest.py): the single process and the two compile alike.
+    kept = [f for f in os.environ.get('XLA_FLAGS', '').split()
+            if not f.startswith('--xla_force_host_platform_device_count')]
+    env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=' '.join(
+        kept + [f'--xla_force_host_platform_device_count='
+                f'{devices_per_process}']))
     env.pop('FEDROBUST_MP_OVERRIDES', None)
     return env
 
