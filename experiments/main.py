@@ -51,10 +51,12 @@ def define_flags(settings: dict) -> None:
 
 define_flags(config_lib.all_settings())
 flags.DEFINE_boolean('distributed', False, 'Call jax.distributed.initialize() '
-                     'first (multi-host TPU/GPU). The compiled round runs '
-                     'multi-process (tests/multiprocess_test.py), but the '
-                     "runner's checkpoints and files do not yet: see "
-                     'BUILD_NOTES.md, "Multi-process".')
+                     'first (multi-host TPU/GPU). Start the same command '
+                     'on every host with one --workdir that all of them '
+                     'see: every process runs the rounds and joins each '
+                     'checkpoint, process 0 writes the files. Each process '
+                     'loads the whole dataset (tests/multiprocess_test.py; '
+                     'BUILD_NOTES.md, "Multi-process").')
 
 FLAGS = flags.FLAGS
 

@@ -23,6 +23,7 @@ Files in the workdir:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -43,7 +44,8 @@ from experiments.devices import configure_cpu_devices
 from experiments.workdir import ConfigMismatchError, WorkdirError
 from experiments.threat import build_threat, typical_client_steps
 from fedrobust import adapt, aggregators
-from fedrobust.checkpoint import CheckpointError, Checkpointer
+from fedrobust.checkpoint import (CheckpointError, Checkpointer, barrier,
+                                  is_primary)
 from fedrobust.cohort import Cohort, split_roles
 from fedrobust.data import (DEFAULT_FASHION_MNIST_DIR, DataNotFoundError,
                             build_federated_setup, hold_out, load_dataset,
@@ -939,7 +941,11 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
   if os.path.lexists(workdir) and not os.path.isdir(workdir):
     raise WorkdirError(f'--workdir={workdir} exists and is not a directory')
   os.makedirs(workdir, exist_ok=True)
-  with workdir_lib.Lock(workdir):
+  # Under jax.distributed every process runs this loop on one shared
+  # workdir: process 0 holds the lock and writes the run's files; every
+  # process computes the same replicated rounds and joins each checkpoint.
+  with (workdir_lib.Lock(workdir) if is_primary()
+        else contextlib.nullcontext()):
     return _run_locked(config, program, started)
 
 
@@ -988,13 +994,18 @@ def _run_locked(config: dict[str, Any], program: Program,
                 started: float) -> dict[str, Any]:
   setup, cohorts, method = program.setup, program.cohorts, program.method
   workdir = config['workdir']
-  workdir_lib.prepare(config, defaults=config_lib.defaults(),
-                      resumable=RESUMABLE_KEYS, execution=EXECUTION_KEYS,
-                      normalize=normalize)
+  primary = is_primary()
+  if primary:
+    workdir_lib.prepare(config, defaults=config_lib.defaults(),
+                        resumable=RESUMABLE_KEYS, execution=EXECUTION_KEYS,
+                        normalize=normalize)
+  barrier(f'workdir-prepared {workdir}')   # --overwrite may remove files
   cohort_of = np.zeros(config['num_clients'], int)
   for j, c in enumerate(cohorts):
     cohort_of[list(c.members)] = j
-  workdir_lib.write_json(os.path.join(workdir, 'client_histograms.json'), {
+  write_json = workdir_lib.write_json if primary else lambda *_: None
+  append_row = workdir_lib.append_row if primary else lambda *_: None
+  write_json(os.path.join(workdir, 'client_histograms.json'), {
       'num_classes': setup.num_classes,
       'train_counts': setup.train.count.tolist(),
       'histograms': setup.histograms.tolist(),
@@ -1082,10 +1093,11 @@ def _run_locked(config: dict[str, Any], program: Program,
     logging.warning('%s is missing although the run is at round %d: rounds '
                     '1..%d have no metrics rows (summary.json records '
                     'this)', metrics_path, start_round, start_round)
-  rows = workdir_lib.read_metrics(metrics_path, start_round)
+  rows = workdir_lib.read_metrics(metrics_path, start_round,
+                                  rewrite=primary)
   rounds_path = os.path.join(workdir, 'rounds.jsonl')
   if config['log_clients']:
-    workdir_lib.read_metrics(rounds_path, start_round)
+    workdir_lib.read_metrics(rounds_path, start_round, rewrite=primary)
 
   # The state goes in replicated; XLA may otherwise choose to leave a
   # [clients, ...] leaf of the output sharded over the client axis (a
@@ -1147,7 +1159,7 @@ def _run_locked(config: dict[str, Any], program: Program,
                f"{float(metrics['staleness_mean']):.2f}")
     stop = nonfinite and on_divergence == 'stop'
     if config['log_clients']:
-      workdir_lib.append_row(rounds_path, dict(
+      append_row(rounds_path, dict(
           {'round': rnd}, **{k: float(v) for k, v in metrics.items()},
           round_seconds=seconds, **({'clients': clients} if clients else {})))
     if rnd % config['eval_every'] == 0 or rnd == num_rounds or stop:
@@ -1161,7 +1173,7 @@ def _run_locked(config: dict[str, Any], program: Program,
       if skipped:
         row['skipped_rounds'] = list(skipped)
       rows.append(row)
-      workdir_lib.append_row(metrics_path, row)
+      append_row(metrics_path, row)
       line += f" test_acc {_fmt(row['test_accuracy'])}"
       if row.get('local_accuracy') is not None:
         line += f" local_acc {_fmt(row['local_accuracy'])}"
@@ -1241,8 +1253,8 @@ def _run_locked(config: dict[str, Any], program: Program,
                                                        'curves.png')),
                 'metrics': os.path.abspath(metrics_path)},
   }
-  workdir_lib.write_json(os.path.join(workdir, 'summary.json'), summary)
-  if rows:
+  write_json(os.path.join(workdir, 'summary.json'), summary)
+  if rows and primary:
     title = (f"{config['method']} / {config['dataset']} / "
              f"{config['cohorts'] or config['model']}")
     plot_curves(os.path.join(workdir, 'curves.png'), rows, title)

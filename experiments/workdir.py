@@ -95,9 +95,10 @@ def read_json_object(path: str) -> dict[str, Any]:
   return value
 
 
-def read_metrics(path: str, last_round: int) -> list[dict[str, Any]]:
-  """The rows of metrics.jsonl up to `last_round`; the file is rewritten
-  without later rows (they will be recomputed).
+def read_metrics(path: str, last_round: int, *, rewrite: bool = True
+                 ) -> list[dict[str, Any]]:
+  """The rows of metrics.jsonl up to `last_round`; with `rewrite`, the file
+  is rewritten without later rows (they will be recomputed).
 
   A cut last line (a kill mid-write) is dropped; any other line that is
   not a metrics row is an error naming the file and line.
@@ -124,7 +125,8 @@ def read_metrics(path: str, last_round: int) -> list[dict[str, Any]]:
                            'the line')
       if row['round'] <= last_round:
         rows.append(row)
-  write_atomic(path, ''.join(dumps(r) + '\n' for r in rows).encode())
+  if rewrite:
+    write_atomic(path, ''.join(dumps(r) + '\n' for r in rows).encode())
   return rows
 
 

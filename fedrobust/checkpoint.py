@@ -19,6 +19,14 @@ to restore, has no hash, or whose restored content does not match its hash
 to `.broken/<step>` and named in the log, and the next older step is
 tried. If steps exist but none is good, `CheckpointError` is raised
 instead of silently starting over.
+
+Several processes (jax.distributed, one per host): every process calls
+`save` and `restore_latest` on the same directory, which must be shared.
+Orbax writes each array's shards from the process that holds them and
+synchronises the processes on each save. Process 0 alone writes the
+hashes, moves bad steps aside and empties the trash; the others wait for
+it at a barrier. The state must be fully replicated (the runner's is) so
+that every process can hash it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import shutil
 from typing import Any, Callable
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -41,6 +50,17 @@ _INTEGRITY = '.integrity'
 
 class CheckpointError(ValueError):
   """Checkpoints exist but none restores into the expected state."""
+
+
+def is_primary() -> bool:
+  """True in the process that writes shared files (process 0)."""
+  return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+  """Waits for every process to reach `name` (a no-op in one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
 
 
 def state_digest(tree: PyTree) -> str:
@@ -81,8 +101,10 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int = 2):
     self.directory = os.path.abspath(directory)
-    os.makedirs(self.directory, exist_ok=True)
-    self._empty_trash()
+    if is_primary():
+      os.makedirs(self.directory, exist_ok=True)
+      self._empty_trash()
+    barrier(f'checkpointer-open {self.directory}')
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -101,16 +123,22 @@ class Checkpointer:
   def save(self, step: int, state: PyTree) -> None:
     self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
     self._manager.wait_until_finished()
-    os.makedirs(os.path.join(self.directory, _INTEGRITY), exist_ok=True)
-    write_atomic(self._hash_path(step), state_digest(state).encode())
-    self._empty_trash()
-    kept = {str(s) for s in self.steps()}
-    for name in os.listdir(os.path.join(self.directory, _INTEGRITY)):
-      if name.split('.')[0] not in kept:      # hashes of retired steps
-        os.unlink(os.path.join(self.directory, _INTEGRITY, name))
+    digest = state_digest(state)
+    if is_primary():
+      os.makedirs(os.path.join(self.directory, _INTEGRITY), exist_ok=True)
+      write_atomic(self._hash_path(step), digest.encode())
+      self._empty_trash()
+      kept = {str(s) for s in self.steps()}
+      for name in os.listdir(os.path.join(self.directory, _INTEGRITY)):
+        if name.split('.')[0] not in kept:      # hashes of retired steps
+          os.unlink(os.path.join(self.directory, _INTEGRITY, name))
+    barrier(f'checkpoint-saved {self.directory} {step}')
 
   def _set_aside(self, step: int) -> str:
-    """Moves a bad step (and its hash) to .broken/ (kept, not deleted)."""
+    """Moves a bad step (and its hash) to .broken/ (kept, not deleted).
+
+    Every process reads the same files, so all of them find the step bad;
+    process 0 moves it."""
     path = os.path.join(self.directory, str(step))
     broken = os.path.join(self.directory, _BROKEN)
     os.makedirs(broken, exist_ok=True)
@@ -119,10 +147,13 @@ class Checkpointer:
     while os.path.exists(target):
       suffix += 1
       target = os.path.join(broken, f'{step}.{suffix}')
-    if os.path.exists(path):
-      os.replace(path, target)
-    if os.path.exists(self._hash_path(step)):
-      os.replace(self._hash_path(step), target + '.sha256')
+    barrier(f'checkpoint-set-aside {self.directory} {step} read')
+    if is_primary():
+      if os.path.exists(path):
+        os.replace(path, target)
+      if os.path.exists(self._hash_path(step)):
+        os.replace(self._hash_path(step), target + '.sha256')
+    barrier(f'checkpoint-set-aside {self.directory} {step} moved')
     self._manager.reload()
     return target
 

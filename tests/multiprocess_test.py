@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 class MultiProcessTest(absltest.TestCase):
 
-  def _env(self, devices_per_process: int) -> dict[str, str]:
+  def _env(self, devices_per_process: int, **extra) -> dict[str, str]:
     # Only the device count differs from the suite's own XLA_FLAGS
     # (conftest.py): the single process and the two compile alike.
     kept = [f for f in os.environ.get('XLA_FLAGS', '').split()
@@ -38,7 +38,9 @@ class MultiProcessTest(absltest.TestCase):
     env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=' '.join(
         kept + [f'--xla_force_host_platform_device_count='
                 f'{devices_per_process}']))
-    env.pop('FEDROBUST_MP_OVERRIDES', None)
+    for key in ('FEDROBUST_MP_OVERRIDES', 'FEDROBUST_MP_WORKDIR'):
+      env.pop(key, None)
+    env.update(extra)
     return env
 
   def _result(self, proc, path):
@@ -47,28 +49,41 @@ class MultiProcessTest(absltest.TestCase):
     with open(path) as f:
       return json.load(f)
 
-  def test_two_processes_compute_the_single_process_round(self):
+  def _data(self) -> tuple[str, str]:
     tmp = self.create_tempdir().full_path
     data_dir = os.path.join(tmp, 'data')
     os.makedirs(data_dir)
     write_idx(data_dir)
+    return tmp, data_dir
+
+  def _two_processes(self, tmp, data_dir, tag, **extra):
+    """Both processes' output JSON: one jax.distributed job, 1 device each."""
     coordinator = f'127.0.0.1:{_free_port()}'
-    outs = [os.path.join(tmp, f'process{i}.json') for i in range(2)]
+    outs = [os.path.join(tmp, f'{tag}{i}.json') for i in range(2)]
     procs = [subprocess.Popen(
         [sys.executable, WORKER, outs[i], data_dir, '2', coordinator, '2',
-         str(i)], env=self._env(1), cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE) for i in range(2)]
+         str(i)], env=self._env(1, **extra), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     try:   # a process that fails leaves its peer waiting: stop both
-      parts = [self._result(p, o) for p, o in zip(procs, outs)]
+      return [self._result(p, o) for p, o in zip(procs, outs)]
     finally:
       for p in procs:
         if p.poll() is None:
           p.kill()
           p.wait()
-    single_out = os.path.join(tmp, 'single.json')
-    single = self._result(subprocess.Popen(
-        [sys.executable, WORKER, single_out, data_dir, '2'], env=self._env(2),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE), single_out)
+
+  def _single_process(self, tmp, data_dir, **extra):
+    """The output JSON of one process with 2 devices."""
+    out = os.path.join(tmp, 'single.json')
+    return self._result(subprocess.Popen(
+        [sys.executable, WORKER, out, data_dir, '2'],
+        env=self._env(2, **extra), cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE), out)
+
+  def test_two_processes_compute_the_single_process_round(self):
+    tmp, data_dir = self._data()
+    parts = self._two_processes(tmp, data_dir, 'process')
+    single = self._single_process(tmp, data_dir)
 
     for i, part in enumerate(parts):
       self.assertEqual((part['process_index'], part['process_count'],
@@ -83,6 +98,34 @@ class MultiProcessTest(absltest.TestCase):
     for part in parts:
       self.assertEqual(part['rounds'], single['rounds'])
       self.assertEqual(part['params_sha256'], single['params_sha256'])
+
+  def test_two_processes_run_and_resume_the_runner(self):
+    """train.run in both processes on one shared workdir: round 1, then a
+    second invocation resumes from the checkpoint both wrote and runs
+    round 2. The result is the single process's 2-round run, and process
+    0 alone wrote the files (one metrics row per round)."""
+    tmp, data_dir = self._data()
+    single = self._single_process(
+        tmp, data_dir, FEDROBUST_MP_WORKDIR=os.path.join(tmp, 'one'))
+    self.assertEqual(single['rounds_completed'], 2)
+    shared = os.path.join(tmp, 'shared')
+    first = self._two_processes(
+        tmp, data_dir, 'first', FEDROBUST_MP_WORKDIR=shared,
+        FEDROBUST_MP_OVERRIDES=json.dumps({'num_rounds': 1}))
+    self.assertEqual([p['rounds_completed'] for p in first], [1, 1])
+    resumed = self._two_processes(tmp, data_dir, 'resumed',
+                                  FEDROBUST_MP_WORKDIR=shared)
+    self.assertEqual([p['process_index'] for p in resumed], [0, 1])
+    for part in resumed:
+      self.assertEqual(part['rounds_completed'], 2)
+      self.assertEqual(part['params_sha256'], single['params_sha256'])
+    with open(os.path.join(shared, 'metrics.jsonl')) as f:
+      self.assertEqual([json.loads(line)['round'] for line in f], [1, 2])
+    with open(os.path.join(shared, 'summary.json')) as f:
+      self.assertEqual(json.load(f)['params_sha256'],
+                       single['params_sha256'])
+    self.assertEqual(sorted(os.listdir(os.path.join(
+        shared, 'checkpoints', '.integrity'))), ['1.sha256', '2.sha256'])
 
 
 if __name__ == '__main__':

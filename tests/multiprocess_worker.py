@@ -13,6 +13,10 @@ writes each round's metrics and the final global parameters' sha256 (as
 seen by this process) to OUT_JSON. NUM_DEVICES >= 2 (the mesh is the
 runner's, which has none on one device). $FEDROBUST_MP_OVERRIDES, a JSON
 object, overrides CONFIG's settings (e.g. {"method": "sdfc", ...}).
+
+With $FEDROBUST_MP_WORKDIR set, the process runs the runner itself,
+`train.run`, in that workdir (shared by every process; it resumes what is
+there) and writes the summary's rounds and sha256 instead.
 """
 
 import json
@@ -54,6 +58,14 @@ def main(argv):
   config.update(CONFIG, data_dir=data_dir, num_devices=num_devices,
                 workdir='unused')
   config.update(json.loads(os.environ.get('FEDROBUST_MP_OVERRIDES', '{}')))
+  workdir = os.environ.get('FEDROBUST_MP_WORKDIR')
+  if workdir:
+    summary = train.run(dict(config, workdir=workdir, checkpoint_every=1))
+    with open(out_path, 'w') as f:
+      json.dump({'process_index': jax.process_index(),
+                 'rounds_completed': summary['rounds_completed'],
+                 'params_sha256': summary['params_sha256']}, f)
+    return
   program = train.build(config)
   replicated = NamedSharding(program.mesh, PartitionSpec())
   put = lambda tree: jax.device_put(tree, replicated)
