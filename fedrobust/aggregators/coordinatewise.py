@@ -36,6 +36,12 @@ coordinate is ranked over the real clients that own it, so n, the median
 positions and the trim depth are per coordinate; a coordinate nobody owns
 gets 0.
 
+On a device mesh (the round's server step under `execution.on_mesh`),
+[C, D] is split over the devices by coordinate (`spread_batch` on D): each
+device ranks its own columns, so the clients' rows arrive by one
+all-to-all instead of an all-gather of [C, D] on every device, and the
+work is divided. Per-coordinate results are unchanged bit for bit.
+
 info['weights'][c] is the mean over coordinates of the weight client c gets
 in the output (1/2 per middle value for an even median, 1/(n-2k) for each
 kept value of the trimmed mean); it sums to 1 over the real clients.
@@ -52,6 +58,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator, stateless_init
+from fedrobust.engine.execution import spread_batch
 from fedrobust.aggregators.mean import (Requirement, check_num_byzantine,
                                         flatten, require_clients,
                                         static_num_clients, unflatten,
@@ -173,6 +180,7 @@ def median(*, num_byzantine: int = 0) -> Aggregator:
                     REQUIREMENTS['median'])
     mask = jnp.asarray(mask, bool)
     x, like = flatten(updates)
+    x = spread_batch(x, axis=1)
     count = lambda col: jnp.zeros((x.shape[0],), jnp.float32).at[col].add(1.0)
     if coverage is None:
       n = jnp.sum(mask)
@@ -219,6 +227,7 @@ def trimmed_mean(*, num_byzantine: int) -> Aggregator:
                     REQUIREMENTS['trimmed_mean'])
     mask = jnp.asarray(mask, bool)
     x, like = flatten(updates)
+    x = spread_batch(x, axis=1)
     if coverage is None:
       n = jnp.sum(mask)
       ordered, order = sort_clients(x, mask)

@@ -80,14 +80,20 @@ def map_clients(fn: Callable[[PyTree], PyTree], per_client: PyTree, *,
 
 def on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
   """fn traced with `mesh` as the ambient (abstract) mesh, so the
-  `spread_batch` hints inside it split over the mesh's devices. Without a
-  mesh, or on one device, fn itself."""
+  `spread_batch` hints inside it split over the mesh's devices. Its
+  outputs are constrained to be replicated, whatever the hints split
+  inside it, so the round's state keeps one layout from round to round.
+  Without a mesh, or on one device, fn itself."""
   if mesh is None or mesh.size == 1:
     return fn
+  replicated = jax.sharding.NamedSharding(mesh, P())
 
   def traced_on_mesh(*args, **kwargs):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return fn(*args, **kwargs)
+      out = fn(*args, **kwargs)
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, replicated)
+        if isinstance(x, jax.Array) else x, out)
   return traced_on_mesh
 
 
