@@ -123,10 +123,9 @@ class Checkpointer:
   def save(self, step: int, state: PyTree) -> None:
     self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
     self._manager.wait_until_finished()
-    digest = state_digest(state)
     if is_primary():
       os.makedirs(os.path.join(self.directory, _INTEGRITY), exist_ok=True)
-      write_atomic(self._hash_path(step), digest.encode())
+      write_atomic(self._hash_path(step), state_digest(state).encode())
       self._empty_trash()
       kept = {str(s) for s in self.steps()}
       for name in os.listdir(os.path.join(self.directory, _INTEGRITY)):

@@ -22,7 +22,7 @@ import pytest
 # the default level and 18 m 46 s at 0 (BUILD_NOTES §2 "CI", session 25).
 # An XLA_FLAGS that already sets the level wins.
 _XLA_FLAGS = ('--xla_force_host_platform_device_count=4',
-                  '--xla_backend_optimization_level=0')
+              '--xla_backend_optimization_level=0')
 for _flag in _XLA_FLAGS:
   if _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' +

@@ -407,7 +407,6 @@ class SpreadBatchTest(absltest.TestCase):
         jnp.zeros((8, 4)))                                   # splits
     self.assertFalse(seen[-1])
 
-
   def test_coordinatewise_rules_split_by_coordinate_bit_for_bit(self):
     """Median and trimmed mean on the mesh: the clients' rows (sharded by
     client, as the round's clients return them) reach each device's

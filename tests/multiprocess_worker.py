@@ -16,7 +16,7 @@ object, overrides CONFIG's settings (e.g. {"method": "sdfc", ...}).
 
 With $FEDROBUST_MP_WORKDIR set, the process runs the runner itself,
 `train.run`, in that workdir (shared by every process; it resumes what is
-there) and writes the summary's rounds and sha256 instead.
+there) and writes its rounds_completed and params sha256 instead.
 """
 
 import json

@@ -58,11 +58,11 @@ from jax import lax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator, stateless_init
-from fedrobust.engine.execution import spread_batch
 from fedrobust.aggregators.mean import (Requirement, check_num_byzantine,
                                         flatten, require_clients,
                                         static_num_clients, unflatten,
                                         zeros_if_empty)
+from fedrobust.engine.execution import spread_batch
 
 REQUIREMENTS: dict[str, Requirement] = {
     'median': ('n >= 1', lambda f: 1),
