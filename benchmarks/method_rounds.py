@@ -51,8 +51,9 @@ PRESETS = {
     'rfd_lora': 'rfd_lora_movies_quick.flags',
     'hilora': LORA_PRESET,
     **{name: LORA_PRESET for name in (
-        'fedalt', 'feddpa_f', 'feddpa_t', 'fedit', 'fedsa_lora', 'ffa_lora',
-        'flexlora', 'flora', 'local_lora', 'lora_fair')},
+        'fdlora', 'fedalt', 'feddpa_f', 'feddpa_t', 'fedit', 'fedsa_lora',
+        'ffa_lora', 'flexlora', 'flora', 'local_lora', 'lora_fair',
+        'pf2lora')},
 }
 SEED_METHODS = ('fedavg', 'sdfc', 'horus', 'fedhan', 'rfd_lora', 'hilora')
 

@@ -34,15 +34,17 @@ from fedrobust.types import Arrivals, LocalData
 from tests.engine_test import IMAGE, NUM_CLASSES, toy_data
 
 K = 4
-LORA_ONLY = ('fedalt', 'feddpa_f', 'feddpa_t', 'fedit', 'fedsa_lora',
-             'ffa_lora', 'flexlora', 'flora', 'hilora', 'local_lora',
-             'lora_fair', 'rfd_lora')   # need the LoRA transform
+LORA_ONLY = ('fdlora', 'fedalt', 'feddpa_f', 'feddpa_t', 'fedit',
+             'fedsa_lora', 'ffa_lora', 'flexlora', 'flora', 'hilora',
+             'local_lora', 'lora_fair', 'pf2lora', 'rfd_lora')   # need the LoRA transform
 # LoRA methods with one rank for every client
-SINGLE_RANK = ('fedalt', 'feddpa_f', 'feddpa_t', 'fedsa_lora', 'hilora',
-               'local_lora')
+SINGLE_RANK = ('fdlora', 'fedalt', 'feddpa_f', 'feddpa_t', 'fedsa_lora',
+               'hilora', 'local_lora', 'pf2lora')
 # Settings that make a 3-round test reach every stage of a staged method.
 SETTINGS = {'hilora': dict(root_rounds=1, cluster_rounds=1, k_max=2),
-            'feddpa_f': dict(global_rounds=1)}
+            'feddpa_f': dict(global_rounds=1),
+            'pf2lora': dict(client_rank=1),
+            'fdlora': dict(sync_every=2, fusion_points=3)}
 CASES = [(name, 'plain') for name in sorted(METHODS)] + [
     ('fedavg', 'delay'), ('fedavg', 'lazy'), ('fedavg', 'lora'),
     # One LoRA rank for every client (the transform's scale is a scalar).

@@ -8,6 +8,7 @@ from fedrobust.methods.base import SERVER_DATA, MethodSpec
 from fedrobust.methods.fedala import FEDALA, fedala
 from fedrobust.methods.fedalt import FEDALT
 from fedrobust.methods.fedavg import FEDAVG, FEDPROX, fedavg
+from fedrobust.methods.dual_lora import FDLORA, PF2LORA
 from fedrobust.methods.feddpa import FEDDPA_F, FEDDPA_T
 from fedrobust.methods.fedhan import FEDHAN, fedhan
 from fedrobust.methods.fedlora import (FEDIT, FFA_LORA, FLEXLORA, FLORA,
@@ -20,6 +21,7 @@ from fedrobust.methods.sdfc import SDFC, sdfc
 from fedrobust.types import Method
 
 METHODS: dict[str, MethodSpec] = {
+    'fdlora': FDLORA,
     'fedala': FEDALA,
     'fedalt': FEDALT,
     'fedavg': FEDAVG,
@@ -35,6 +37,7 @@ METHODS: dict[str, MethodSpec] = {
     'hilora': HILORA,
     'horus': HORUS,
     'local_lora': LOCAL_LORA,
+    'pf2lora': PF2LORA,
     'lora_fair': LORA_FAIR,
     'rfd_lora': RFD_LORA,
     'sdfc': SDFC,
