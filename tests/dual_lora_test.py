@@ -11,7 +11,8 @@ from fedrobust import engine, models
 from fedrobust.cohort import single_cohort
 from fedrobust.local import masked_cross_entropy
 from fedrobust.methods import get_method
-from fedrobust.methods.dual_lora import _concat, fuse, fusion_grid
+from fedrobust.methods.dual_lora import (_concat, fuse, fusion_grid,
+                                         holdout_order)
 from fedrobust.methods.fedlora import add_dense, products
 from fedrobust.transforms import lora
 from fedrobust.types import Arrivals, ClientOutput, LocalData
@@ -183,6 +184,40 @@ class FDLoRATest(absltest.TestCase):
           fuse(ms.fusion[k], mine, state.params[0]), transform_scale))
       got = jax.tree.map(lambda l, k=k: l[k], personal.params)
       chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+  def test_holdout_rows_never_reach_local_training(self):
+    model = models.get_model('mlp', num_classes=NUM_CLASSES,
+                             input_shape=IMAGE, hidden=(5,))
+    transform = lora(model, ranks=(2,), targets=('all',))
+    cohorts = single_cohort(model, transform, 2, 2, (2.0, 2.0))
+    data = toy_data([10, 8], 10, seed=5)
+    config = engine.RoundConfig(num_clients=2, clients_per_round=2,
+                                strategy='vmap')
+
+    def deltas(holdout, x):
+      method = get_method(
+          'fdlora', cohorts=cohorts,
+          local=engine.LocalConfig(batch_size=4, num_epochs=1,
+                                   steps_per_epoch=3),
+          optimizer=engine.sgd(learning_rate=0.1), fusion_points=3,
+          fusion_holdout=holdout)
+      state = engine.init_server_state(method, model.init(jax.random.key(0)),
+                                       2, seed=1, config=config, data=data)
+      own = jax.tree.map(lambda l: l[0], state.method_state.own)
+      local = LocalData(x, data.y, jnp.int32(0), data.count[0])
+      return method.client_update(0, method.broadcast(state, 0), own, local,
+                                  jax.random.key(3), {}).delta
+
+    order = np.asarray(holdout_order(jnp.int32(0), jnp.int32(10), 10))
+    self.assertEqual(sorted(order), list(range(10)))
+    held = order[8:]            # min(16, 10 // 5) = 2 rows held out
+    other = data.x.at[0, held].set(255 - data.x[0, held])
+    chex.assert_trees_all_equal(deltas(True, data.x), deltas(True, other))
+    # Without the hold-out the same rows are trained on.
+    diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                        deltas(False, data.x), deltas(False, other))
+    self.assertGreater(max(jax.tree.leaves(diff)), 0.0)
 
 
 if __name__ == '__main__':

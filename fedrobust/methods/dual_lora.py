@@ -72,7 +72,7 @@ from fedrobust.methods.fedlora import _check_lora, add_dense, products
 from fedrobust.methods.personal_lora import PROVIDES, broadcast_base, own_rows
 from fedrobust.settings import Setting
 from fedrobust.tree import scatter_clients, tree_sub
-from fedrobust.types import ClientOutput, EvalModel, Method
+from fedrobust.types import ClientOutput, EvalModel, LocalData, Method
 
 Params = Any
 
@@ -255,6 +255,17 @@ def fusion_grid(points: int, bound: float) -> np.ndarray:
   return np.stack(np.meshgrid(axis, axis, indexing='ij'), -1).reshape(-1, 2)
 
 
+def holdout_order(client_id: jax.Array, count: jax.Array,
+                  rows: int) -> jax.Array:
+  """int32[rows]: a fixed random order of one client's first `count` rows
+  (the same every round), then the padding rows; AdaFusion holds out the
+  last rows of the real part."""
+  u = jax.random.uniform(jax.random.fold_in(jax.random.key(0xF05E),
+                                            client_id), (rows,))
+  idx = jnp.arange(rows)
+  return jnp.argsort(jnp.where(idx < count, u, 2.0 + idx)).astype(jnp.int32)
+
+
 def fuse(w: jax.Array, personal: Params, shared: Params) -> Params:
   """The factor-wise blend w[0] * personal + w[1] * shared."""
   return jax.tree.map(lambda p, s: w[0] * p + w[1] * s, personal, shared)
@@ -265,7 +276,8 @@ def fdlora(*, cohorts, local: LocalConfig,
            server_lr: float = 1.0, poison=None, num_clients: int = 0,
            sync_every: int = 5, outer_momentum: float = 0.5,
            fusion_examples: int = 16, fusion_points: int = 7,
-           fusion_bound: float = 1.5, fusion_l1: float = 0.05) -> Method:
+           fusion_bound: float = 1.5, fusion_l1: float = 0.05,
+           fusion_holdout: bool = False) -> Method:
   """FDLoRA (module docstring). server_lr is the outer step eta.
 
   Args:
@@ -276,6 +288,9 @@ def fdlora(*, cohorts, local: LocalConfig,
     fusion_points, fusion_bound: the grid, points per axis over
       [-bound, bound].
     fusion_l1: the weight of mean|w| in AdaFusion's objective.
+    fusion_holdout: hold min(fusion_examples, count // 5) of each client's
+      rows (a fixed random subset per client) out of its local training
+      and score the blends on them; False scores them on training rows.
   """
   name = 'fdlora'
   _check_lora(name, cohorts, single=True)
@@ -312,10 +327,12 @@ def fdlora(*, cohorts, local: LocalConfig,
         lambda t, x, *, train=False, key=None: transform.apply(
             base, t, x, train=train, key=key))
 
-  def search(base, personal, shared, data, key):
-    """AdaFusion: the grid point of least few-shot loss + l1 mean|w|."""
-    rows = jax.random.randint(key, (fusion_examples,), 0,
-                              jnp.maximum(data.count, 1))
+  def search(base, personal, shared, data, key, held):
+    """AdaFusion: the grid point of least few-shot loss + l1 mean|w|,
+    scored on the last `held` rows of `data` (all its rows if 0)."""
+    lo = jnp.where(held > 0, data.count - held, 0)
+    rows = lo + jax.random.randint(key, (fusion_examples,), 0,
+                                   jnp.maximum(data.count - lo, 1))
     x = data.x[data.client_id][rows]
     y = data.y[data.client_id][rows]
     ones = jnp.ones((fusion_examples,), bool)
@@ -326,6 +343,16 @@ def fdlora(*, cohorts, local: LocalConfig,
       return ce + fusion_l1 * jnp.mean(jnp.abs(w))
     return grid[jnp.argmin(jax.lax.map(objective, grid))]
 
+  def split(data):
+    """(the client's rows in its fixed held-out order, rows held out)."""
+    if not fusion_holdout:
+      return data, jnp.int32(0)
+    order = holdout_order(data.client_id, data.count, data.x.shape[1])
+    mine = LocalData(data.x[data.client_id][order][None],
+                     data.y[data.client_id][order][None], jnp.int32(0),
+                     data.count, data.is_malicious, data.attacker_rank)
+    return mine, jnp.minimum(fusion_examples, data.count // 5)
+
   def client_update(j, broadcast, own, data, key, server_data):
     del j, server_data
     base, shared, round_number = broadcast
@@ -333,14 +360,16 @@ def fdlora(*, cohorts, local: LocalConfig,
     stage1 = round_number == 1
     # Stage 1 trains theta_p; later rounds train the copy of theta_s.
     start = jax.tree.map(lambda p, s: jnp.where(stage1, p, s), own, shared)
-    trained, metrics = local_sgd(loss_of(base), start, data, train_key,
-                                 optimizer=optimizer, config=local,
-                                 poison=poison)
+    data, held = split(data)
+    trained, metrics = local_sgd(loss_of(base), start,
+                                 data._replace(count=data.count - held),
+                                 train_key, optimizer=optimizer,
+                                 config=local, poison=poison)
     sync = stage1 | ((sync_every > 0)
                      & (round_number % max(sync_every, 1) == 0))
     personal = jax.tree.map(lambda t, p: jnp.where(sync, t, p), trained,
                             own)
-    w = search(base, personal, shared, data, fusion_key)
+    w = search(base, personal, shared, data, fusion_key, held)
     return ClientOutput(delta=tree_sub(trained, shared),
                         weight=data.count.astype(jnp.float32),
                         client_state=(personal, w), metrics=metrics)
@@ -404,4 +433,8 @@ FDLORA = MethodSpec(
         Setting('fusion_bound', 1.5, 'AdaFusion searches each weight in '
                 '[-bound, bound].'),
         Setting('fusion_l1', 0.05, 'Weight of mean|w| in AdaFusion\'s '
-                'objective.')))
+                'objective.'),
+        Setting('fusion_holdout', False, 'Hold min(fusion_examples, '
+                'count // 5) of each client\'s rows out of its training and '
+                'score the blends on them (the re-implementations hold out '
+                'a split); false scores them on training rows.')))
