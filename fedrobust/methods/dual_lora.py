@@ -68,9 +68,11 @@ from fedrobust.local import (LocalConfig, classification_loss, local_sgd,
                              masked_cross_entropy)
 from fedrobust.methods.base import (MethodSpec, aggregate_and_step,
                                     cohort_aggregation)
-from fedrobust.methods.fedlora import _check_lora, add_dense, products
+from fedrobust.methods.fedlora import (_check_lora, add_dense, lora_modules,
+                                      nest_paths, products)
 from fedrobust.methods.personal_lora import PROVIDES, broadcast_base, own_rows
 from fedrobust.settings import Setting
+from fedrobust.transforms.base import get_path
 from fedrobust.tree import scatter_clients, tree_sub
 from fedrobust.types import ClientOutput, EvalModel, LocalData, Method
 
@@ -81,27 +83,18 @@ HYPERGRADIENTS = ('first_order', 'unrolled', 'joint')
 
 def _split_rank(trainable: Params, rank: int) -> Params:
   """The first `rank` rank-columns of every module's factors."""
-  out = {}
-
-  def walk(node, into):
-    for key, val in node.items():
-      if isinstance(val, dict) and set(val) == {'a', 'b'}:
-        into[key] = {'a': val['a'][:, :rank], 'b': val['b'][:rank]}
-      elif isinstance(val, dict):
-        into[key] = {}
-        walk(val, into[key])
-  walk(trainable, out)
-  return out
+  return nest_paths({p: {'a': get_path(trainable, p)['a'][:, :rank],
+                         'b': get_path(trainable, p)['b'][:rank]}
+                     for p in lora_modules(trainable)})
 
 
 def _concat(x: Params, y: Params) -> Params:
   """LoRA tree with a = [a_x | a_y] and b = [b_x ; b_y]."""
-  def walk(u, v):
-    if set(u) == {'a', 'b'}:
-      return {'a': jnp.concatenate([u['a'], v['a']], axis=-1),
-              'b': jnp.concatenate([u['b'], v['b']], axis=0)}
-    return {k: walk(u[k], v[k]) for k in u}
-  return walk(x, y)
+  return nest_paths({p: {'a': jnp.concatenate([get_path(x, p)['a'],
+                                               get_path(y, p)['a']], axis=-1),
+                         'b': jnp.concatenate([get_path(x, p)['b'],
+                                               get_path(y, p)['b']], axis=0)}
+                     for p in lora_modules(x)})
 
 
 def _with_personal_models(name, cohort, init, client_update, server_update,
@@ -165,7 +158,8 @@ def pf2lora(*, cohorts, local: LocalConfig,
   rank = int(transform.spec_values[-1]) if transform.spec_values else 0
   if len(transform.spec_values) > 1:
     raise SettingError('lora_ranks', f'{name} takes one LoRA rank for '
-                       f'every client, got {transform.spec_values}')
+                       f'every client, got {transform.spec_values}',
+                       component=f'method {name}')
   if not 1 <= client_rank < rank:
     raise SettingError('client_rank', f'must be in [1, r) with r = {rank} '
                        f'(--lora_ranks), got {client_rank}',
@@ -245,7 +239,7 @@ class DualState(NamedTuple):
   base: Any       # W0
   own: Any        # every client's personalised LoRA theta_p, leaves [N, ...]
   fusion: Any     # float32[N, 2]: every client's (w_p, w_s)
-  momentum: Any   # the outer Nesterov buffer, like theta_s
+  momentum: Any   # the outer Nesterov optimiser's state (its buffer)
   agg: Any        # the aggregator's state (over theta_s)
 
 
@@ -311,6 +305,8 @@ def fdlora(*, cohorts, local: LocalConfig,
   n = num_clients or 1 + max(cohort.members)
   aggregation = cohort_aggregation(aggregator, cohorts, ())
   grid = jnp.asarray(fusion_grid(fusion_points, fusion_bound))
+  # torch's Nesterov SGD: buf = mu buf + g; theta -= eta (g + mu buf).
+  outer_opt = optax.sgd(server_lr, momentum=outer_momentum, nesterov=True)
 
   def init(params, num_clients, key):
     del num_clients
@@ -318,8 +314,7 @@ def fdlora(*, cohorts, local: LocalConfig,
     # Stage 1 starts every theta_p at the shared initialisation.
     own = jax.tree.map(lambda l: jnp.broadcast_to(l, (n, *l.shape)), theta)
     start = jnp.broadcast_to(jnp.asarray([1.0, 0.0], jnp.float32), (n, 2))
-    zeros = jax.tree.map(jnp.zeros_like, theta)
-    return (theta,), DualState(base, own, start, zeros,
+    return (theta,), DualState(base, own, start, outer_opt.init(theta),
                                aggregation.init((theta,)))
 
   def loss_of(base):
@@ -387,14 +382,13 @@ def fdlora(*, cohorts, local: LocalConfig,
     # Round 1 (line 7): theta_s is the aggregate of the theta_p. Later
     # rounds (lines 17-18): Nesterov SGD on g = -(aggregated delta).
     g = tree_sub(theta, plain)
-    buf = jax.tree.map(lambda m, gg: outer_momentum * m + gg, ms.momentum, g)
-    outer = jax.tree.map(
-        lambda t, gg, b: t - server_lr * (gg + outer_momentum * b),
-        theta, g, buf)
+    step, opt = outer_opt.update(g, ms.momentum, theta)
     first = state.round == 0
-    new = jax.tree.map(lambda p, o: jnp.where(first, p, o), plain, outer)
-    buf = jax.tree.map(lambda b: jnp.where(first, jnp.zeros_like(b), b), buf)
-    return ((new,), ms._replace(own=own, fusion=fusion, momentum=buf,
+    new = jax.tree.map(lambda p, o: jnp.where(first, p, o), plain,
+                       optax.apply_updates(theta, step))
+    opt = jax.tree.map(lambda z, o: jnp.where(first, z, o),
+                       outer_opt.init(theta), opt)
+    return ((new,), ms._replace(own=own, fusion=fusion, momentum=opt,
                                 agg=agg), info)
 
   return _with_personal_models(
