@@ -400,7 +400,8 @@ def merged_rows(sources: list, metrics: list[str],
   CSV lacks. A key a CSV lacks takes its own value, else defaults[key],
   else '-'. The paper's columns (paper_<metric>, paper_method,
   paper_setting) are kept where a CSV has them, blank where it has not.
-  Integer cells (bytes, counts) stay integers.
+  Integer cells (bytes, counts) stay integers. A row of an earlier merge
+  keeps its `source`.
   """
   def number(v):
     if v in (None, ''):
@@ -431,7 +432,9 @@ def merged_rows(sources: list, metrics: list[str],
         for c in ('paper_method', 'paper_setting'):
           if c in raw:
             row[c] = raw[c]
-        row['source'] = os.path.splitext(os.path.basename(path))[0]
+        # A merged CSV keeps each row's own source.
+        row['source'] = (raw.get('source') or
+                         os.path.splitext(os.path.basename(path))[0])
         for k, v in own.items():
           row.setdefault(k, v)
         rows.append(row)

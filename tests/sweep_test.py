@@ -286,6 +286,15 @@ def test_merge_keeps_each_cell_once_and_marks_cells(tmp_path):
                                 str(first)], ['test_accuracy'],
                                {'attack': 'lie'})
   assert {r['attack'] for r in rows5 if r['source'] == 'c'} == {'3dfed'}
+  # A merged CSV merged again keeps each row's first source.
+  merged = tmp_path / 'ab.csv'
+  merged.write_text('attack,aggregator,source,test_accuracy,status,note\n'
+                    'lie,mean,a,0.80,ok,\nfang_trim,flare,b,0.72,ok,\n')
+  rows6, keys6 = sweep.merged_rows([str(merged), str(third)],
+                                   ['test_accuracy'], {'attack': 'lie'})
+  assert keys6 == ['attack', 'aggregator', 'source']
+  assert {(r['aggregator'], r['source']) for r in rows6} == {
+      ('mean', 'a'), ('flare', 'b'), ('krum', 'c')}
   assert sweep.parse_assignments('a=1; b = x', 'w') == {'a': '1', 'b': 'x'}
   with pytest.raises(ValueError, match='is not flag=v'):
     sweep.parse_assignments('a', 'w')
