@@ -11,6 +11,7 @@ from fedrobust.aggregators import call_aggregator, clustering, get_aggregator
 from fedrobust.aggregators.fldetector import lbfgs_hvp
 from fedrobust.aggregators import fedhan_cache as fc
 from fedrobust.aggregators.fedhan import recovery_bytes, safe_step
+from fedrobust.tree import sum_clients
 
 BETA, ALPHA = 0.5, 0.2
 
@@ -171,6 +172,79 @@ class ClusteringTest(absltest.TestCase):
     p = np.where(cov, BETA ** 2, 0.0) * keep[:, None]
     np.testing.assert_allclose(got, (p * x).sum(0) / p.sum(0), rtol=1e-5,
                                atol=1e-6)
+
+  def test_blocked_slot_passes_match_the_one_shot_ones(self):
+    """receive_uploads / slot_norms / aggregate_slots, a block of slots at a
+    time, equal receive / suspicion / aggregate_arrivals over all slots at
+    once: blocks that split the slots unevenly are not allowed (12 slots
+    with block 8 walk 2 blocks of 6, with block 5 4 blocks of 3), a slot
+    with a NaN upload is not received, masked slots change nothing."""
+    rng = np.random.default_rng(11)
+    n, k, h = 20, 12, 4
+    shapes = {'a': (3, 5), 'b': (4,)}
+    d = 19
+    ups = {key: rng.normal(size=(k,) + s).astype(np.float32)
+           for key, s in shapes.items()}
+    ups['a'][4, 1, 2] = np.nan
+    cov = {key: (rng.random((k,) + s) < 0.6).astype(np.float32)
+           for key, s in shapes.items()}
+    ids = jnp.asarray(rng.choice(n, k, replace=False), jnp.int32)
+    mask = jnp.asarray(np.arange(k) != 9)
+    ups['b'][9] = np.inf   # a masked slot's garbage
+    tau = jnp.asarray(rng.integers(0, 6, k), jnp.int32)
+    history = jnp.asarray(rng.normal(size=(h, d)), jnp.float32)
+    round_ = jnp.int32(5)
+    # A cache that already holds some rows.
+    start = fc.receive(fc.init_cache(n, d), jnp.arange(n), jnp.ones(n, bool),
+                       jnp.asarray(rng.normal(size=(n, d)), jnp.float32),
+                       jnp.asarray(rng.random((n, d)) < 0.5),
+                       jnp.zeros(n, jnp.int32), jnp.zeros((n, d)),
+                       round_=jnp.int32(2), beta=BETA)
+    # One shot, as the rule did before session 27.
+    flat = np.concatenate([ups[key].reshape(k, -1) for key in sorted(ups)], 1)
+    own = np.concatenate([cov[key].reshape(k, -1) for key in sorted(cov)],
+                         1) > 0
+    finite = np.asarray(mask) & np.isfinite(flat).all(1)
+    clean = np.where(finite[:, None] & own, flat, 0.0)
+    src = np.maximum(5 - 1 - np.asarray(tau), 5 - h)
+    then = np.where((5 - 1 - np.asarray(tau) >= 1)[:, None],
+                    np.asarray(history)[src % h], clean)
+    want = fc.receive(start, ids, jnp.asarray(finite), jnp.asarray(clean),
+                      jnp.asarray(own), tau, jnp.asarray(then, jnp.float32),
+                      round_=round_, beta=BETA)
+    keep = jnp.asarray(finite & (np.arange(k) % 4 != 1))
+    for block in (8, 5):
+      got, got_finite, share = fc.receive_uploads(
+          start, history, ups, cov, ids, mask, tau, round_=round_,
+          beta=BETA, block=block)
+      chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+      np.testing.assert_array_equal(got_finite, finite)
+      np.testing.assert_allclose(share, own.mean(1), rtol=1e-6)
+      s, g = fc.slot_norms(got, ids, jnp.asarray(finite), block=block)
+      np.testing.assert_allclose(s, fc.suspicion(want, ids, finite),
+                                 rtol=1e-6, atol=1e-7)
+      np.testing.assert_allclose(g, fc.global_norms(want, ids, finite),
+                                 rtol=1e-6, atol=1e-7)
+      np.testing.assert_allclose(
+          fc.aggregate_slots(got, ids, keep, alpha=ALPHA, block=block),
+          fc.aggregate_arrivals(want, ids, keep, alpha=ALPHA), rtol=1e-5,
+          atol=1e-6)
+    self.assertEqual(fc.slot_block(12), 6)
+    self.assertEqual(fc.slot_block(13), 1)
+    self.assertEqual(fc.slot_block(100), 5)
+
+  def test_sum_clients_is_the_leading_axis_sum(self):
+    """tree.sum_clients (a dot) equals jnp.sum(axis=0), weighted or not,
+    for float, bool and higher-rank leaves."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(7, 3, 5)).astype(np.float32)
+    w = rng.random(7).astype(np.float32)
+    np.testing.assert_allclose(sum_clients(jnp.asarray(x)), x.sum(0),
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sum_clients(jnp.asarray(x), jnp.asarray(w)),
+                               np.tensordot(w, x, 1), rtol=1e-6, atol=1e-6)
+    b = x > 0
+    np.testing.assert_array_equal(sum_clients(jnp.asarray(b)), b.sum(0))
 
   def test_dbscan_matches_numpy_on_fixed_points(self):
     rng = np.random.default_rng(0)

@@ -74,12 +74,11 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator
-from fedrobust.aggregators.finetune import (finite_clients, first_client,
-                                            ravel_one)
+from fedrobust.aggregators.finetune import first_client, ravel_one
 from fedrobust.aggregators.fldetector import lbfgs_hvp
 from fedrobust.aggregators.mean import setting
 from fedrobust.aggregators import fedhan_cache as fc
-from fedrobust.tree import ravel_clients, unravel_like
+from fedrobust.tree import unravel_like
 
 CACHE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -272,35 +271,28 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
   def aggregate(updates, mask, state, key, *, ids, staleness,
                 coverage=None):
     del key
-    flat = ravel_clients(updates).astype(jnp.float32)
-    c, d = flat.shape
     ids = jnp.asarray(ids, jnp.int32)
     mask = jnp.asarray(mask, bool)
+    c = ids.shape[0]
     banned = state.banned.at[ids].get(mode='fill', fill_value=True)
-    # A banned client's uploads are still cached and scored, so each
-    # round's clustering sees every update received (the paper clusters
-    # the round's arrivals; bans are ours), but never aggregated.
-    finite = finite_clients(flat, mask)
-    valid = finite & ~banned
-    cov = (jnp.ones((c, d), bool) if coverage is None else
-           ravel_clients(coverage) > 0)
     tau = jnp.maximum(jnp.asarray(staleness, jnp.int32), 0)
     round_ = state.round + 1
-    clean = jnp.where(finite[:, None] & cov, flat, 0.0)
-    # g(w_{j - tau}): the global update applied in round j - 1 - tau (the
-    # one the client's model came from; older than the history: the
-    # oldest kept). A model sent before any global update existed (round
-    # 1) has none: its imputed global update takes its own upload there
-    # (suspicion 0 on those coordinates, now and while they stay imputed),
-    # and it is not scored.
-    src = jnp.maximum(round_ - 1 - tau, round_ - history)
+    # Eq. 3, 4, 9, a block of slots at a time (fc.receive_uploads). A
+    # banned client's uploads are still cached and scored, so each round's
+    # clustering sees every update received (the paper clusters the
+    # round's arrivals; bans are ours), but never aggregated. A model sent
+    # before any global update existed (round 1) has no g(w_{j - tau}): its
+    # imputed global update takes its own upload there (suspicion 0 on
+    # those coordinates, now and while they stay imputed), and it is not
+    # scored.
+    cache, finite, share = fc.receive_uploads(
+        state.cache, state.history, updates, coverage, ids, mask, tau,
+        round_=round_, beta=beta)
+    valid = finite & ~banned
     have_global = round_ - 1 - tau >= 1
-    then = state.history[jnp.mod(src, history)]
-    then = jnp.where(have_global[:, None], then, clean)
-    cache = fc.receive(state.cache, ids, finite, clean, cov, tau, then,
-                       round_=round_, beta=beta)
     scored = finite & have_global
-    scores = fc.suspicion(cache, ids, scored)
+    scores, global_norms = fc.slot_norms(cache, ids, finite)
+    scores = jnp.where(scored, scores, 0.0)
     if detect:
       flagged, detected = fc.detect(scores, scored, eps=eps,
                                     min_samples=min_samples)
@@ -316,8 +308,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     new_banned = state.banned | (strikes >= ban_after)
     # A client banned in this round (a recovery's trigger).
     newly = valid & new_banned.at[ids].get(mode='fill', fill_value=False)
-    gbar_rows, weight_rows, mask_rows = fc.arrival_rows(cache, ids, keep)
-    estimate = fc.weighted(gbar_rows, weight_rows, mask_rows, keep, alpha)
+    estimate = fc.aggregate_slots(cache, ids, keep, alpha=alpha)
     gtilde, selected, _ = fc.select_history(
         cache, ids, keep, estimate, round_=round_, sim_min=sim_min,
         tau_max=tau_max, alpha=alpha, beta=beta,
@@ -344,16 +335,16 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                    hist.at[jnp.mod(round_, history)].set(g)))
       order, kept = _compact(keep, recovery_slots)
       row = jnp.mod(round_, m)
-      p = weight_rows * jnp.where(mask_rows, 1.0, alpha)
+      # The first S kept arrivals' rows, read back from the cache; rows
+      # past the kept arrivals are zero (a masked slot changes nothing,
+      # not even the record).
+      gbar_s, weight_s, mask_s = fc.arrival_rows(cache, ids[order], kept)
       put = lambda a, v: a.at[row].set(fc.encode(v, a.dtype))
-      # Rows past the kept arrivals are zero (a masked slot changes
-      # nothing, not even the record).
-      mine = lambda a: jnp.where(kept.reshape((-1,) + (1,) * (a.ndim - 1)),
-                                 a[order], 0)
       record = RecoveryRecord(
-          gbar=put(record.gbar, mine(gbar_rows)),
-          weight=put(record.weight, mine(p)),
-          ids=put(record.ids, mine(ids)), kept=put(record.kept, kept),
+          gbar=put(record.gbar, gbar_s),
+          weight=put(record.weight, weight_s * jnp.where(mask_s, 1.0, alpha)),
+          ids=put(record.ids, jnp.where(kept, ids[order], 0)),
+          kept=put(record.kept, kept),
           gtilde=put(record.gtilde, gtilde),
           round=record.round.at[row].set(round_))
       # After a recovery this round's model is the new base: a later
@@ -381,9 +372,12 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
             'recovery_overflow': overflow,
             # Per arrival, for diagnosing the scores.
             'staleness': jnp.where(mask, tau, 0).astype(jnp.float32),
-            'coverage': jnp.mean(cov.astype(jnp.float32), axis=1),
-            'update_norm': jnp.linalg.norm(gbar_rows, axis=1),
-            'global_norm': fc.global_norms(cache, ids, keep)}
+            'coverage': share,
+            # ||gbar_i|| is kept by the cache (of the stored values).
+            'update_norm': jnp.where(
+                keep, cache.norm.at[ids].get(mode='fill', fill_value=0.0),
+                0.0),
+            'global_norm': jnp.where(keep, global_norms, 0.0)}
     return unravel_like(out, first_client(updates)), new_state, info
 
   return Aggregator(init, aggregate, reads=('ids', 'staleness', 'coverage'))
