@@ -208,10 +208,17 @@ def _conv_shift_add_bwd(res, g):
   ho, wo = h - kh + 1, w - kw + 1
   taps = kh * kw * cin
   g2d = g.reshape(-1, cout)
-  channel_major = jnp.moveaxis(x, -1, 0)                  # [Cin, N, H, W]
-  patches = jnp.stack([channel_major[:, :, i:i + ho, j:j + wo]
-                       for i, j in _kernel_offsets(kh, kw)])
-  dkernel = (patches.reshape(taps, -1) @ g2d).reshape(kernel.shape)
+  # Tap-major patches [kh*kw*Cin, N*Ho*Wo]: one window per (tap, channel),
+  # each flattened to a row before they are joined. Under vmap a reshape
+  # puts the client axis in front, so the patches are [C, taps, P] in
+  # memory, as the batched GEMM reads them. (Stacking [N, Ho, Wo] windows,
+  # or moving the channels to the front, left the client axis second and
+  # cost a transpose of the whole patch matrix; BUILD_NOTES §4b, session
+  # 27.)
+  patches = jnp.concatenate([x[:, i:i + ho, j:j + wo, c].reshape(1, -1)
+                             for i, j in _kernel_offsets(kh, kw)
+                             for c in range(cin)])
+  dkernel = (patches @ g2d).reshape(kernel.shape)
   # The input gradient is the transpose of taking shifted windows: each
   # tap's share, padded back to its place (dead code, and removed by XLA,
   # when x is data).
