@@ -109,6 +109,10 @@ flags.DEFINE_bool('interleave', False, 'With --method: compile every '
 flags.DEFINE_string('preset', '', 'With --method: time every method from '
                     'this experiments/configs flagfile instead of its own '
                     '(e.g. SDFC and FedAvg on the same flags).')
+flags.DEFINE_boolean('server_in_place', False, 'With --method: time the '
+                     "server step on the round's own state, which each "
+                     'call advances, instead of on a fresh copy each call '
+                     '(the copy doubles the state in memory).')
 flags.DEFINE_integer('total_examples', 20000, 'With --method: real '
                      'training examples split iid over the C clients.')
 flags.DEFINE_boolean('json', False, 'Print one JSON object per strategy.')
@@ -318,7 +322,8 @@ def run_methods(num_devices: int) -> None:
           flush=True)
 
   kwargs = dict(total_examples=FLAGS.total_examples, num_devices=num_devices,
-                preset=FLAGS.preset or None)
+                preset=FLAGS.preset or None,
+                server_in_place=FLAGS.server_in_place)
   for clients in map(int, FLAGS.method_clients):
     if FLAGS.interleave:
       prepared = [method_rounds.prepare_method(name, clients, extra=extra,
