@@ -526,16 +526,24 @@ def write_outputs(name: str, results: list[dict], keys: list[str],
   ok = [r for r in results if r['status'] == 'ok']
   if not ok:
     return
-  fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(ok)), 4))
-  metrics = [m for m in metrics if m not in SUMMARY_METRICS] or metrics
+  # Bars in percent; counts and indices (RAW_METRICS) and bytes are on
+  # other scales and stay in the table, unless nothing else is there.
+  shown = [m for m in metrics
+           if m not in SUMMARY_METRICS and m not in RAW_METRICS]
+  metrics = shown or [m for m in metrics if m not in SUMMARY_METRICS] or (
+      metrics)
+  labels = ['/'.join(r[k] for k in keys) for r in ok]
+  # Taller for long cell labels, so the rotated labels leave the axes room.
+  fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(ok)), 3 + min(
+      9, 0.065 * max(len(label) for label in labels))))
   width = 0.8 / len(metrics)
   for i, m in enumerate(metrics):
+    scale = 1 if m in RAW_METRICS else 100
     ax.bar([j + i * width for j in range(len(ok))],
-           [100 * (r.get(m) or 0) for r in ok], width, label=m)
+           [scale * (r.get(m) or 0) for r in ok], width, label=m)
   ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ok))])
-  ax.set_xticklabels(['/'.join(r[k] for k in keys) for r in ok],
-                     rotation=60, ha='right', fontsize=8)
-  ax.set_ylabel('%')
+  ax.set_xticklabels(labels, rotation=60, ha='right', fontsize=8)
+  ax.set_ylabel('%' if shown else ', '.join(metrics))
   # Beside the axes, not over the bars (a full-height bar sits under any
   # corner inside them).
   ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=8)
