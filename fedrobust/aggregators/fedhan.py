@@ -338,12 +338,13 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       # The first S kept arrivals' rows, read back from the cache; rows
       # past the kept arrivals are zero (a masked slot changes nothing,
       # not even the record).
-      gbar_s, weight_s, mask_s = fc.arrival_rows(cache, ids[order], kept)
+      ids_s = ids[order]
+      gbar_s, weight_s, mask_s = fc.arrival_rows(cache, ids_s, kept)
       put = lambda a, v: a.at[row].set(fc.encode(v, a.dtype))
       record = RecoveryRecord(
           gbar=put(record.gbar, gbar_s),
           weight=put(record.weight, weight_s * jnp.where(mask_s, 1.0, alpha)),
-          ids=put(record.ids, jnp.where(kept, ids[order], 0)),
+          ids=put(record.ids, jnp.where(kept, ids_s, 0)),
           kept=put(record.kept, kept),
           gtilde=put(record.gtilde, gtilde),
           round=record.round.at[row].set(round_))

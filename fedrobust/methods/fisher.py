@@ -57,10 +57,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedrobust.errors import check_choice
-from fedrobust.models.layers import same_padding
+from fedrobust.models.layers import same_padding, window_index
 from fedrobust.tree import leaf_names
 
 Params = Any
@@ -195,14 +194,11 @@ def _layer_stat_all(kernel_shape, has_bias, a, delta, stat, route=None):
                                   precision='highest')
                        for i, j in offsets], axis=1)
     else:                   # im2col, in the kernel's (kh, kw, Cin) order
-      # One gather with a static index (row: output pixel, column: tap
-      # (i, j, c)); stacking kh*kw window slices materialised each window
-      # first (BUILD_NOTES §4b, session 27).
-      r, q, i, j, c = np.ix_(np.arange(ho), np.arange(wo), np.arange(kh),
-                             np.arange(kw), np.arange(cin))
-      index = (((r + i) * a.shape[2] + (q + j)) * cin + c).reshape(
-          ho * wo, kh * kw * cin)
-      p = a.reshape(n, -1)[:, index]
+      # One gather with layers.window_index (row: output pixel, column:
+      # tap (i, j, c)); stacking kh*kw window slices materialised each
+      # window first (BUILD_NOTES §4b, session 27).
+      p = a.reshape(n, -1)[:, window_index(a.shape[1], a.shape[2], cin,
+                                           kh, kw)]
       per = jnp.einsum('npk,npo->nko', p, d, precision='highest')
     kernel = jnp.sum(stat(per), axis=0).reshape(kh, kw, cin, cout)
     bias = jnp.sum(stat(jnp.sum(d, axis=1)), axis=0)

@@ -164,6 +164,17 @@ def _kernel_offsets(kh: int, kw: int) -> list[tuple[int, int]]:
   return [(i, j) for i in range(kh) for j in range(kw)]
 
 
+def window_index(h: int, w: int, cin: int, kh: int, kw: int) -> np.ndarray:
+  """int [Ho*Wo, kh*kw*Cin]: for each VALID output pixel (row-major), the
+  positions in one example's flattened [H, W, Cin] input of its window, in
+  the kernel's (kh, kw, Cin) order. Gathering with it builds im2col
+  patches in one op (slices joined materialise every window first)."""
+  ho, wo = h - kh + 1, w - kw + 1
+  r, q, i, j, c = np.ix_(np.arange(ho), np.arange(wo), np.arange(kh),
+                         np.arange(kw), np.arange(cin))
+  return (((r + i) * w + (q + j)) * cin + c).reshape(ho * wo, kh * kw * cin)
+
+
 @jax.custom_vjp
 def conv_shift_add(x: jax.Array, kernel: jax.Array) -> jax.Array:
   """VALID stride-1 convolution for inputs with few channels.
@@ -216,9 +227,8 @@ def _conv_shift_add_bwd(res, g):
   # joining them materialised every window, then the matrix, then (vmap
   # left the client axis second) its transpose: 29% of the simple CNN's
   # round against 13% for the gather (BUILD_NOTES §4b, session 27).
-  i, j, c, e, r, q = np.ix_(np.arange(kh), np.arange(kw), np.arange(cin),
-                            np.arange(n), np.arange(ho), np.arange(wo))
-  index = ((e * h + r + i) * w + (q + j)) * cin + c
+  index = (window_index(h, w, cin, kh, kw).T[:, None, :]
+           + (np.arange(n) * (h * w * cin))[None, :, None])
   patches = x.reshape(-1)[index.reshape(taps, n * ho * wo)]
   dkernel = (patches @ g2d).reshape(kernel.shape)
   # The input gradient is the transpose of taking shifted windows: each
