@@ -49,6 +49,21 @@ class ConvTest(parameterized.TestCase):
     ref = x[:, :4, :4].reshape(2, 2, 2, 2, 2, 3).max(axis=(2, 4))
     np.testing.assert_array_equal(layers.max_pool_2x2(jnp.asarray(x)), ref)
 
+  def test_pool_relu_is_relu_then_pool_bit_for_bit(self):
+    # Ties, exact zeros and all-negative windows included: values and
+    # gradients of pool-then-ReLU equal ReLU-then-pool exactly.
+    x = np.random.default_rng(1).normal(size=(3, 6, 6, 4)).astype(np.float32)
+    x[0, :2, :2, 0] = [[2.0, 2.0], [-1.0, 0.0]]
+    x[0, :2, 2:4, 1] = [[0.0, -1.0], [-2.0, -3.0]]
+    x[1, 2:4, :2, 2] = [[-1.0, -2.0], [-3.0, -4.0]]
+    x[2, :2, :2, 3] = [[0.0, 0.0], [0.0, 0.0]]
+    g = np.random.default_rng(2).normal(size=(3, 3, 3, 4)).astype(np.float32)
+    ref, ref_vjp = jax.vjp(lambda a: layers.max_pool_2x2(jax.nn.relu(a)), x)
+    out, out_vjp = jax.vjp(jax.jit(layers.pool_relu), x)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(out_vjp(g)[0], ref_vjp(g)[0])
+    self.assertEqual(float(out_vjp(g)[0][0, 0, 0, 0]), g[0, 0, 0, 0] / 2)
+
   def test_unknown_impl(self):
     with self.assertRaisesRegex(ValueError, 'conv impl'):
       layers.conv2d(jnp.zeros((1, 4, 4, 1)), jnp.zeros((3, 3, 1, 1)),

@@ -311,3 +311,16 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
   n, h, w, c = x.shape
   x = x[:, :h // 2 * 2, :w // 2 * 2, :]
   return x.reshape(n, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
+
+
+def pool_relu(x: jax.Array) -> jax.Array:
+  """ReLU then 2x2 max pool, computed as pool then ReLU.
+
+  Max and ReLU commute exactly (ReLU is monotone and both only select
+  values), and the gradients agree bit for bit: where the window's maximum
+  is <= 0 both give zero, and elsewhere they route the same share to the
+  same positions. Pooling first runs the ReLU and its backward select on a
+  quarter of the elements: on XLA:CPU the simple CNN's round is 7-13%
+  faster (BUILD_NOTES §4b, session 28).
+  """
+  return nn.relu(max_pool_2x2(x))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fedrobust.models.layers import (Conv, ConvImpl, Dense, lora_merged,
-                                     max_pool_2x2)
+                                     pool_relu)
 
 
 def _flatten(x: jax.Array) -> jax.Array:
@@ -71,8 +71,8 @@ class SimpleCNN(nn.Module):
   def __call__(self, x, train: bool = False):
     del train
     conv = lambda f: Conv(f, (5, 5), 'VALID', self.conv_impl, self.dtype)
-    x = max_pool_2x2(nn.relu(conv(6)(x)))
-    x = max_pool_2x2(nn.relu(conv(16)(x)))
+    x = pool_relu(conv(6)(x))
+    x = pool_relu(conv(16)(x))
     x = _flatten(x)
     for width in (120, 84, 84, 256):
       x = Dense(width, dtype=self.dtype)(x)
@@ -99,8 +99,8 @@ class CNN(nn.Module):
   def __call__(self, x, train: bool = False):
     del train
     conv = lambda f: Conv(f, (5, 5), 'SAME', self.conv_impl, self.dtype)
-    x = max_pool_2x2(nn.relu(conv(self.width)(x)))
-    x = max_pool_2x2(nn.relu(conv(2 * self.width)(x)))
+    x = pool_relu(conv(self.width)(x))
+    x = pool_relu(conv(2 * self.width)(x))
     x = nn.relu(Dense(self.hidden, dtype=self.dtype)(_flatten(x)))
     return Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
@@ -122,11 +122,10 @@ class VGGSmall(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
+    conv = lambda f: Conv(f, (3, 3), 'SAME', self.conv_impl, self.dtype)
     for features in self.stages:
-      for _ in range(2):
-        x = nn.relu(Conv(features, (3, 3), 'SAME', self.conv_impl,
-                         self.dtype)(x))
-      x = max_pool_2x2(x)
+      x = nn.relu(conv(features)(x))
+      x = pool_relu(conv(features)(x))
     x = nn.relu(Dense(256, dtype=self.dtype)(_flatten(x)))
     return Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
