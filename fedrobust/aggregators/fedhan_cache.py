@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.clustering import cluster_count, dbscan, kmeans2_1d
-from fedrobust.tree import sum_clients
+from fedrobust.aggregators.finetune import finite_clients
+from fedrobust.tree import ravel_clients, sum_clients
 
 
 class FedHANCache(NamedTuple):
@@ -239,15 +240,12 @@ def receive_uploads(cache: FedHANCache, history: jax.Array, uploads: Any,
   b = slot_block(k, block)
   h = history.shape[0]
 
-  def ravel(tree):
-    return jnp.concatenate([leaf.reshape(b, -1) for leaf in
-                            jax.tree.leaves(tree)], axis=1)
-
   def body(cache, xs):
     up, cov, ids_b, mask_b, tau_b = xs
-    flat = ravel(up).astype(jnp.float32)
-    own = (jnp.ones(flat.shape, bool) if cov is None else ravel(cov) > 0)
-    finite = mask_b & jnp.all(jnp.isfinite(flat), axis=1)
+    flat = ravel_clients(up).astype(jnp.float32)
+    own = (jnp.ones(flat.shape, bool) if cov is None else
+           ravel_clients(cov) > 0)
+    finite = finite_clients(flat, mask_b)
     clean = jnp.where(finite[:, None] & own, flat, 0.0)
     src = jnp.maximum(round_ - 1 - tau_b, round_ - h)
     have_global = round_ - 1 - tau_b >= 1
