@@ -20,7 +20,7 @@ from fedrobust.aggregators import AGGREGATORS, PRE_AGGREGATORS
 from fedrobust.attacks import ATTACKS, MODEL_ATTACKS
 from fedrobust.data import DATASETS, PARTITIONERS
 from fedrobust.engine.delay import DELAY_KINDS
-from fedrobust.engine.execution import STRATEGIES
+from fedrobust.engine.execution import CLIENT_DATA, STRATEGIES
 from fedrobust.errors import SettingError
 from fedrobust.local import LOCAL_OPTIMIZERS
 from fedrobust.methods import METHODS
@@ -54,6 +54,10 @@ CORE: tuple[Setting, ...] = (
     S('num_clients', 10, 'Clients in the federation (K).'),
     S('clients_per_round', 0, 'Clients sampled per round (C); 0 means all. '
       'With --cohorts each cohort gets its share.'),
+    S('sample_strata', 1, 'Split the client ids into this many equal '
+      'contiguous blocks and draw clients_per_round / strata from each '
+      'block every round (uniform within a block); 1: one uniform draw. '
+      '--client_data=sharded needs a multiple of the device count.'),
     S('partition', 'dirichlet', 'How training data is split over clients.',
       choices=tuple(sorted(PARTITIONERS))),
     S('dirichlet_alpha', 0.5, 'Dirichlet label-skew alpha.'),
@@ -242,6 +246,12 @@ CORE: tuple[Setting, ...] = (
       choices=('auto',) + COMPUTE_DTYPES),
     S('num_devices', 0, 'Devices the client axis is sharded over (0: all '
       'local devices).'),
+    S('client_data', 'replicated', "Clients' training data on the mesh: "
+      'replicated (every device holds all of it) or sharded (each device '
+      'holds its block of client ids, and under --distributed each process '
+      'places only its own devices\' rows). Sharded needs --sample_strata '
+      'a multiple of the device count; same results as replicated data '
+      'with the same strata.', choices=CLIENT_DATA),
     S('cpu_devices', 0, 'XLA devices the host CPU is split into when '
       'running on CPU (0: auto, up to one per available core: the fewest '
       'that give the shortest round); clients on different devices train '
@@ -259,7 +269,7 @@ RESUMABLE_KEYS = frozenset({
 # join them (EXECUTION_KEYS, below).
 _CORE_EXECUTION_KEYS = frozenset({
     'client_execution', 'chunk_size', 'scan_unroll', 'conv_impl',
-    'num_devices', 'cpu_devices', 'pretrained_dir'})
+    'num_devices', 'cpu_devices', 'pretrained_dir', 'client_data'})
 
 
 def method_flag(method: str, setting: Setting) -> str:

@@ -54,7 +54,7 @@ from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               client_mesh, default_strategy, evaluate,
                               evaluate_clients, init_server_state,
                               make_round_step, make_setup_step, parse_delay,
-                              sgd)
+                              place_clients, sgd)
 from fedrobust.engine.evaluate import backdoor_rates, pad_to_batches
 from fedrobust.local import adamw
 from fedrobust.engine.round import all_finite
@@ -583,7 +583,9 @@ def build(config: dict[str, Any]) -> Program:
                     for c in cohorts) if len(cohorts) > 1 else (),
       delay=delay, max_arrivals=config['max_arrivals'],
       train_on_arrival=config['train_on_arrival'],
-      max_staleness=config['max_staleness'])
+      max_staleness=config['max_staleness'],
+      sample_strata=config['sample_strata'],
+      client_data=config['client_data'])
   resolved = {'client_execution': strategy, 'chunk_size': chunk_size,
               'conv_impl': conv_impl, 'compute_dtype': compute_dtype,
               'num_devices': num_devices, 'backend': backend,
@@ -1016,7 +1018,7 @@ def _run_locked(config: dict[str, Any], program: Program,
   mesh = program.mesh
   replicated = NamedSharding(mesh, P()) if mesh else None
   put = functools.partial(jax.device_put, device=replicated)
-  data = put(jax.tree.map(jnp.asarray, setup.train))
+  data = place_clients(setup.train, mesh, config['client_data'])
   server_data = put(program.server_data)
   on_divergence = config['on_divergence']
   round_step = make_round_step(method, program.round_config, mesh=mesh,

@@ -101,7 +101,7 @@ def gather_batch(data: LocalData, rows: jax.Array) -> tuple[jax.Array,
                                                             jax.Array]:
   """Rows of one client's data: uint8[B, H, W, Ch], int32[B]."""
   rows = jnp.minimum(rows, data.x.shape[1] - 1)
-  return data.x[data.client_id, rows], data.y[data.client_id, rows]
+  return data.x[data.row, rows], data.y[data.row, rows]
 
 
 def masked_cross_entropy(logits: jax.Array, labels: jax.Array,

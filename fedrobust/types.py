@@ -31,13 +31,26 @@ class FederatedData(NamedTuple):
 
 
 class LocalData(NamedTuple):
-  """ONE client's view inside the round: the shared arrays plus its id."""
+  """ONE client's view inside the round: the shared arrays plus its id.
+
+  x and y hold every client of the device's block: all K clients when the
+  data is replicated, K / N when it is sharded over the mesh's N devices
+  (RoundConfig.client_data). A client's own rows are x[data.row] (the
+  `row` field, or its id when the field is None); its id stays its global
+  identity (key folds, per-client draws).
+  """
   x: jax.Array          # uint8[K, N, H, W, Ch] (not batched over clients)
   y: jax.Array          # int32[K, N]
   client_id: jax.Array  # int32[]
   count: jax.Array      # int32[]
   is_malicious: jax.Array | bool = False  # bool[], attacking this round
   attacker_rank: jax.Array | int = 0      # int32[], rank among attackers
+  data_row: jax.Array | None = None       # int32[], the client's row of x
+
+  @property
+  def row(self) -> jax.Array:
+    """The client's index into x and y."""
+    return self.client_id if self.data_row is None else self.data_row
 
 
 class BatchPlan(NamedTuple):

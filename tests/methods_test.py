@@ -9,7 +9,9 @@ chex.assert_max_traces(n=1), shared by its tests:
   * exact resume: a checkpoint after round 1, restored and continued, is
     bitwise the uninterrupted 2-round state.
 Every method's round, sharded over 4 (host-platform) devices with one
-client each, must give the single-device round's state. Variants run
+client each, must give the single-device round's state, and so must its
+round on 2 devices that each hold only their 2 clients' data
+(client_data='sharded'). Variants run
 FedAvg with client delays (the in-flight buffer must survive
 the checkpoint), with clients trained on arrival from the stored model of
 their start round (the model ring must survive it) and with
@@ -81,15 +83,20 @@ def case(name, variant):
   if 'anchors' in METHODS[name].server_data:
     # 8 anchors: one batch that splits over the 4 devices of 'sharded'.
     server_data['anchors'] = toy_data([8], 8, seed=11).x[0]
-  sharded = variant == 'sharded'
+  # 'sharded': 4 devices, one client each, the data replicated;
+  # 'sharded_data': 2 devices, each holding its 2 clients' data only.
+  sharded = variant in ('sharded', 'sharded_data')
+  devices = {'sharded': 4, 'sharded_data': 2}.get(variant, 1)
   config = engine.RoundConfig(
       num_clients=K, clients_per_round=K, strategy='vmap',
-      num_devices=4 if sharded else 1,
+      num_devices=devices,
+      sample_strata=2 if variant == 'sharded_data' else 1,
+      client_data='sharded' if variant == 'sharded_data' else 'replicated',
       delay=engine.DelayModel('uniform', 1.0, 2)
       if variant in ('delay', 'lazy') else None,
       max_arrivals=K if variant == 'lazy' else 0,
       train_on_arrival=variant == 'lazy')
-  mesh = engine.client_mesh(4) if sharded else None
+  mesh = engine.client_mesh(devices) if sharded else None
   round_step = engine.make_round_step(method, config, mesh=mesh)
 
   def step(state, data, server_data):
@@ -103,9 +110,10 @@ def case(name, variant):
                                    seed=1, config=config, data=data,
                                    server_data=server_data)
   if sharded:   # replicated in, as experiments/train.py puts them
-    data, state, server_data = jax.device_put(
-        (data, state, server_data),
+    state, server_data = jax.device_put(
+        (state, server_data),
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    data = engine.place_clients(data, mesh, config.client_data)
   return method, step, state, data, server_data
 
 
@@ -185,6 +193,24 @@ class MethodConformanceTest(parameterized.TestCase):
                     'device_count=4, set by conftest.py)')
     single, single_metrics = run_rounds(name, 'plain', 2)
     sharded, sharded_metrics = run_rounds(name, 'sharded', 2)
+    chex.assert_trees_all_close(sharded.params, single.params, rtol=1e-5,
+                                atol=1e-6)
+    chex.assert_trees_all_close(sharded.method_state, single.method_state,
+                                rtol=1e-5, atol=1e-6)
+    for key in ('examples', 'clients_trained'):
+      self.assertEqual(float(sharded_metrics[key]),
+                       float(single_metrics[key]), key)
+
+  @parameterized.parameters(*sorted(METHODS))
+  def test_sharded_data_matches_single_device(self, name):
+    """Each of 2 devices holds 2 clients' rows (a client indexing the
+    data by its id instead of LocalData.row would read another's)."""
+    if jax.device_count() < 2:
+      self.skipTest('needs 2 devices (set by conftest.py)')
+    single, single_metrics = run_rounds(name, 'plain', 2)
+    sharded, sharded_metrics = run_rounds(name, 'sharded_data', 2)
+    self.assertEqual(case(name, 'sharded_data')[3].x.sharding.spec,
+                     jax.sharding.PartitionSpec('clients'))
     chex.assert_trees_all_close(sharded.params, single.params, rtol=1e-5,
                                 atol=1e-6)
     chex.assert_trees_all_close(sharded.method_state, single.method_state,

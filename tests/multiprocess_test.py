@@ -99,6 +99,30 @@ class MultiProcessTest(absltest.TestCase):
       self.assertEqual(part['rounds'], single['rounds'])
       self.assertEqual(part['params_sha256'], single['params_sha256'])
 
+  def test_process_local_client_data(self):
+    """client_data='sharded': each process places only its block of the
+    clients (rows 0-3 and 4-7), with every other row of its host arrays
+    garbled, and the two compute the single process's round bit for bit;
+    that round also equals the one on replicated data with the same
+    strata."""
+    tmp, data_dir = self._data()
+    sharded = json.dumps({'client_data': 'sharded', 'sample_strata': 2})
+    parts = self._two_processes(tmp, data_dir, 'local',
+                                FEDROBUST_MP_OVERRIDES=sharded,
+                                FEDROBUST_MP_GARBLE='1')
+    single = self._single_process(tmp, data_dir,
+                                  FEDROBUST_MP_OVERRIDES=sharded)
+    replicated = self._single_process(tmp, data_dir, FEDROBUST_MP_OVERRIDES=(
+        json.dumps({'sample_strata': 2})))
+    self.assertEqual([p['data_rows'] for p in parts], [[0, 4], [4, 8]])
+    self.assertEqual(single['data_rows'], [0, 8])
+    self.assertEqual(single['rounds'][0]['clients_trained'], 6.0)
+    self.assertEqual(single['rounds'], replicated['rounds'])
+    self.assertEqual(single['params_sha256'], replicated['params_sha256'])
+    for part in parts:
+      self.assertEqual(part['rounds'], single['rounds'])
+      self.assertEqual(part['params_sha256'], single['params_sha256'])
+
   def test_two_processes_run_and_resume_the_runner(self):
     """train.run in both processes on one shared workdir: round 1, then a
     second invocation resumes from the checkpoint both wrote and runs

@@ -10,7 +10,8 @@ slice); without them it runs alone. Either way it builds the run config
 of the test below, places the data and state replicated on a NUM_DEVICES
 mesh spanning every process's devices, runs ROUNDS compiled rounds, and
 writes each round's metrics and the final global parameters' sha256 (as
-seen by this process) to OUT_JSON. NUM_DEVICES >= 2 (the mesh is the
+seen by this process) to OUT_JSON. With client_data 'sharded' (an
+override) each process places only its own devices' block of clients. NUM_DEVICES >= 2 (the mesh is the
 runner's, which has none on one device). $FEDROBUST_MP_OVERRIDES, a JSON
 object, overrides CONFIG's settings (e.g. {"method": "sdfc", ...}).
 
@@ -52,6 +53,7 @@ def main(argv):
   from experiments import config as config_lib
   from experiments import train
   from fedrobust.engine import round as round_lib
+  from fedrobust.engine.execution import place_clients
   # pylint: enable=g-import-not-at-top
 
   config = config_lib.defaults()
@@ -69,7 +71,24 @@ def main(argv):
   program = train.build(config)
   replicated = NamedSharding(program.mesh, PartitionSpec())
   put = lambda tree: jax.device_put(tree, replicated)
-  data = put(jax.tree.map(jnp.asarray, program.setup.train))
+  host = program.setup.train
+  rows = [0, config['num_clients']]
+  if config['client_data'] == 'sharded':
+    # This process's block of clients; with $FEDROBUST_MP_GARBLE every
+    # other row of the host arrays is overwritten first, so a result equal
+    # to the single process's shows that no process read another's rows.
+    spans = [index[0] for index in NamedSharding(
+        program.mesh, PartitionSpec('clients')).addressable_devices_indices_map(
+            host.x.shape).values()]
+    rows = [min(s.start for s in spans), max(s.stop for s in spans)]
+    if os.environ.get('FEDROBUST_MP_GARBLE'):
+      other = np.ones(host.x.shape[0], bool)
+      other[rows[0]:rows[1]] = False
+      host = host._replace(x=np.where(other[:, None, None, None, None], 255,
+                                      host.x).astype(host.x.dtype),
+                           y=np.where(other[:, None], 0, host.y),
+                           count=np.where(other, 1, host.count))
+  data = place_clients(host, program.mesh, config['client_data'])
   server_data = put(program.server_data)
   state = put(round_lib.init_server_state(
       program.method, train.initial_params(program.cohorts, config['seed']),
@@ -89,6 +108,7 @@ def main(argv):
                'devices': jax.device_count(),
                'local_devices': jax.local_device_count(),
                'rounds': rounds,
+               'data_rows': rows,
                'params_sha256': train.params_sha256(state.params)}, f)
 
 

@@ -605,8 +605,8 @@ def thrdfed(*, apply_fn: Callable, stamp: Callable, num_attackers: int,
 
     def body(total, r):
       m = r < local.count
-      x = local.x[local.client_id, jnp.minimum(r, n_pad - 1)]
-      y = local.y[local.client_id, jnp.minimum(r, n_pad - 1)]
+      x = local.x[local.row, jnp.minimum(r, n_pad - 1)]
+      y = local.y[local.row, jnp.minimum(r, n_pad - 1)]
       xs, ys = stamp(x, y)
       live = jnp.any(m)
       add = jax.lax.cond(

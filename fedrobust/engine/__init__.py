@@ -2,9 +2,9 @@
 
 from fedrobust.engine.delay import DelayModel, parse_delay
 from fedrobust.engine.evaluate import evaluate, evaluate_clients
-from fedrobust.engine.execution import (STRATEGIES, client_mesh,
+from fedrobust.engine.execution import (CLIENT_DATA, STRATEGIES, client_mesh,
                                         default_strategy, map_clients,
-                                        run_clients)
+                                        place_clients, run_clients)
 from fedrobust.local import (LocalConfig, classification_loss,
                                     make_batch_plan, sgd, train_steps)
 from fedrobust.engine.round import (CohortSlots, RoundConfig, Threat,

@@ -38,6 +38,8 @@ from fedrobust.errors import SettingError
 PyTree = Any
 STRATEGIES = ('vmap', 'chunked', 'sequential')
 CLIENT_AXIS = 'clients'
+# Where the clients' training data lives on the mesh (RoundConfig.client_data).
+CLIENT_DATA = ('replicated', 'sharded')
 
 
 def default_strategy(backend: str | None = None) -> str:
@@ -132,7 +134,8 @@ def client_mesh(num_devices: int | None = None) -> Mesh:
 
 def run_clients(fn: Callable[[PyTree, PyTree], PyTree], per_client: PyTree,
                 shared: PyTree, *, strategy: str, chunk_size: int = 0,
-                mesh: Mesh | None = None) -> PyTree:
+                mesh: Mesh | None = None,
+                shared_specs: PyTree | None = None) -> PyTree:
   """Runs fn(one_client_slice, shared) for every client slot.
 
   Args:
@@ -142,6 +145,9 @@ def run_clients(fn: Callable[[PyTree, PyTree], PyTree], per_client: PyTree,
     strategy: one of STRATEGIES.
     chunk_size: clients per vmapped chunk for 'chunked'.
     mesh: optional mesh with a 'clients' axis.
+    shared_specs: with a mesh, PartitionSpecs for `shared` (a prefix of
+      its tree; None: all replicated). A leaf split over 'clients' reaches
+      fn as the device's own block, e.g. client data sharded by id range.
 
   Returns:
     fn's outputs stacked over clients, leaves [C, ...].
@@ -156,6 +162,45 @@ def run_clients(fn: Callable[[PyTree, PyTree], PyTree], per_client: PyTree,
   if c % mesh.size:
     raise ValueError(f'{c} client slots do not split over {mesh.size} '
                      'devices; pad the round (engine.round does)')
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(CLIENT_AXIS), P()),
+  specs = P() if shared_specs is None else shared_specs
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(CLIENT_AXIS), specs),
                        out_specs=P(CLIENT_AXIS), check_vma=False)(
                            per_client, shared)
+
+
+def place_clients(tree: PyTree, mesh: Mesh | None, layout: str) -> PyTree:
+  """Host arrays with a leading client axis [K, ...] onto the mesh.
+
+  layout 'replicated': every device holds every row. 'sharded': the rows
+  split over the mesh's 'clients' axis in order, device d holding rows
+  d K / N .. (d + 1) K / N - 1. Under several processes (jax.distributed)
+  each process contributes only the rows of its own devices
+  (`jax.make_array_from_process_local_data`), so no host sends another's
+  rows to a device; the other rows of `tree` are never read.
+
+  Raises:
+    SettingError naming `client_data` when K does not split evenly.
+  """
+  if layout not in CLIENT_DATA:
+    raise SettingError('client_data', f'got {layout!r}; expected one of '
+                       f'{CLIENT_DATA}')
+  if mesh is None:
+    return jax.tree.map(jnp.asarray, tree)
+  if layout == 'replicated' or mesh.size == 1:
+    return jax.device_put(jax.tree.map(jnp.asarray, tree),
+                          jax.sharding.NamedSharding(mesh, P()))
+  sharding = jax.sharding.NamedSharding(mesh, P(CLIENT_AXIS))
+
+  def place(leaf):
+    leaf = np.asarray(leaf)
+    if leaf.shape[0] % mesh.size:
+      raise SettingError('client_data', f'{leaf.shape[0]} clients do not '
+                         f'split evenly over {mesh.size} devices')
+    if jax.process_count() == 1:
+      return jax.device_put(leaf, sharding)
+    spans = [index[0] for index in
+             sharding.addressable_devices_indices_map(leaf.shape).values()]
+    lo, hi = min(s.start for s in spans), max(s.stop for s in spans)
+    return jax.make_array_from_process_local_data(sharding, leaf[lo:hi],
+                                                  leaf.shape)
+  return jax.tree.map(place, tree)

@@ -3,7 +3,8 @@
 round_step(state, data, server_data) -> (state, metrics). For every cohort
 j (a static Python loop at trace time, so still one program):
   1. sample C_j of the cohort's clients (sorted ids, padded to a multiple
-     of the device count with masked slots); with client delays, a sampled
+     of the device count with masked slots; or C_j / S from each of S
+     strata of ids, the layout client data sharded over devices needs); with client delays, a sampled
      client that is still busy with an earlier update is masked too;
   2. run the method's client_update for every slot (engine.execution);
   3. with a Threat, mark the attacking slots (data poisoning happens inside
@@ -28,11 +29,11 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from fedrobust.engine import delay as delay_lib
-from fedrobust.engine.execution import (on_mesh, run_clients,
-                                        validate_strategy)
+from fedrobust.engine.execution import (CLIENT_AXIS, CLIENT_DATA, on_mesh,
+                                        run_clients, validate_strategy)
 from fedrobust.errors import SettingError
 from fedrobust.tree import ravel_clients, unravel_like
 from fedrobust.types import (Arrivals, AsyncState, AttackContext,
@@ -108,6 +109,17 @@ class RoundConfig(NamedTuple):
     with the current method state.
   max_staleness: with train_on_arrival, the model ring's depth minus one
     (0: the delay cap).
+  sample_strata: S > 1 splits the client ids into S equal contiguous
+    blocks (strata) and every cohort draws C_j / S of its members from each
+    stratum, uniformly within it (sample_cohort); 1 is the plain uniform
+    draw over the cohort. A different distribution, so a setting of the
+    run, not of its execution.
+  client_data: 'replicated' (every device holds all K clients' data) or
+    'sharded' (device d of the mesh holds the K / N clients d K / N ..
+    (d + 1) K / N - 1 only, the layout of process-local data on a pod).
+    Sharded data needs the strata to follow the devices (sample_strata a
+    multiple of num_devices), so every slot a device runs holds one of its
+    own clients. Same results as replicated data with the same strata.
   """
   num_clients: int          # K
   clients_per_round: int    # C
@@ -119,6 +131,8 @@ class RoundConfig(NamedTuple):
   max_arrivals: int = 0
   train_on_arrival: bool = False
   max_staleness: int = 0
+  sample_strata: int = 1
+  client_data: str = 'replicated'
 
   def model_ring(self) -> int:
     """Rows of the train_on_arrival model ring."""
@@ -133,6 +147,13 @@ class RoundConfig(NamedTuple):
   def padded(self, c: int) -> int:
     d = self.num_devices
     return -(-c // d) * d
+
+  @property
+  def block(self) -> int:
+    """Clients per device block of sharded data (K when replicated)."""
+    if self.client_data == 'sharded' and self.num_devices > 1:
+      return self.num_clients // self.num_devices
+    return self.num_clients
 
   @property
   def num_slots(self) -> int:
@@ -172,6 +193,7 @@ def validate_round_config(config: RoundConfig) -> None:
   if config.max_staleness and not config.train_on_arrival:
     raise SettingError('max_staleness', 'sizes the train_on_arrival model '
                        'ring; it needs train_on_arrival')
+  validate_strata(config)
   if config.max_arrivals < 0:
     raise SettingError('max_arrivals', f'must be >= 0, got '
                        f'{config.max_arrivals}')
@@ -187,14 +209,77 @@ def validate_round_config(config: RoundConfig) -> None:
           'take at least that many so no update is overwritten in flight')
 
 
-def sample_cohort(key: jax.Array, slots: CohortSlots, num_slots: int
+def strata_members(slots: CohortSlots, num_clients: int, strata: int
+                   ) -> list[tuple[int, ...]]:
+  """The cohort's members in each of the `strata` equal blocks of ids."""
+  size = num_clients // strata
+  return [tuple(m for m in slots.members if m // size == s)
+          for s in range(strata)]
+
+
+def validate_strata(config: RoundConfig) -> None:
+  """Errors naming the setting when the strata or the sharded data layout
+  cannot hold the round's samples."""
+  s, k, n = config.sample_strata, config.num_clients, config.num_devices
+  if config.client_data not in CLIENT_DATA:
+    raise SettingError('client_data', f'got {config.client_data!r}; '
+                       f'expected one of {CLIENT_DATA}')
+  if s < 1:
+    raise SettingError('sample_strata', f'must be >= 1, got {s}')
+  if s > 1:
+    if k % s:
+      raise SettingError('sample_strata', f'{s} strata must split the '
+                         f'num_clients={k} clients into equal blocks')
+    for j, slots in enumerate(config.cohort_slots()):
+      c = slots.clients_per_round
+      if c % s:
+        raise SettingError('sample_strata', f'{s} strata must split the '
+                           f'{c} clients cohort {j} samples a round evenly '
+                           '(clients_per_round a multiple of the strata)')
+      fewest = min(len(m) for m in strata_members(slots, k, s))
+      if fewest < c // s:
+        raise SettingError('sample_strata', f'cohort {j} has {fewest} '
+                           f'members in a stratum, fewer than the {c // s} '
+                           'it draws from each')
+  if config.client_data == 'sharded' and n > 1:
+    if s % n:
+      raise SettingError('client_data', f'sharded client data needs the '
+                         f'sampling strata to follow the {n} devices: '
+                         f'sample_strata a multiple of {n}, got {s}')
+    if config.train_on_arrival:
+      raise SettingError('client_data', 'train_on_arrival trains the '
+                         'clients in the order their updates are taken, '
+                         'not by device; it needs replicated client data')
+
+
+def sample_cohort(key: jax.Array, slots: CohortSlots, num_slots: int, *,
+                  num_clients: int = 0, strata: int = 1
                   ) -> tuple[jax.Array, jax.Array]:
   """Uniform sample of C_j distinct members, sorted, padded to the slots.
+
+  With strata > 1 (RoundConfig.sample_strata; num_clients K needed): C_j /
+  strata members of each stratum (ids s K / strata .. (s + 1) K / strata -
+  1), uniform within it, sorted; the slots are stratum-major, so under a
+  mesh whose devices hold the strata in order every slot is a client of
+  its own device. num_slots must then be C_j.
 
   Returns:
     ids int32[num_slots] and mask bool[num_slots]; padded slots carry the
     first member's id and mask False.
   """
+  if strata > 1:
+    per = slots.clients_per_round // strata
+    ids = []
+    for s, block in enumerate(strata_members(slots, num_clients, strata)):
+      block = jnp.asarray(block, jnp.int32)
+      pick = jax.random.permutation(jax.random.fold_in(key, s),
+                                    block.shape[0])[:per]
+      ids.append(jnp.sort(block[pick]))
+    ids = jnp.concatenate(ids)
+    pad = num_slots - ids.shape[0]
+    return (jnp.concatenate([ids, jnp.full((pad,), slots.members[0],
+                                           jnp.int32)]),
+            jnp.arange(num_slots) < ids.shape[0])
   members = jnp.asarray(slots.members, jnp.int32)
   k, c = len(slots.members), slots.clients_per_round
   if c == k:
@@ -241,7 +326,28 @@ def sample_clients(key: jax.Array, config: RoundConfig
   if len(slots) != 1:
     raise SettingError('cohorts', 'sample_clients is for one cohort; use '
                        'sample_cohort')
-  return sample_cohort(key, slots[0], config.num_slots)
+  return sample_cohort(key, slots[0], config.num_slots,
+                       num_clients=config.num_clients,
+                       strata=config.sample_strata)
+
+
+def device_blocked_members(slots: CohortSlots, config: RoundConfig
+                           ) -> tuple[np.ndarray, np.ndarray]:
+  """Every member of the cohort once, in slots grouped by the device whose
+  block of sharded data holds it, each device's group padded to the
+  largest with masked copies of its first member (the setup step's
+  "everyone" under client_data='sharded').
+
+  Returns:
+    ids int32[N * G] and mask bool[N * G] for N devices of G slots.
+  """
+  blocks = strata_members(slots, config.num_clients, config.num_devices)
+  width = max(len(b) for b in blocks)
+  ids = np.concatenate([list(b) + [b[0]] * (width - len(b))
+                        for b in blocks]).astype(np.int32)
+  mask = np.concatenate([[True] * len(b) + [False] * (width - len(b))
+                         for b in blocks])
+  return ids, mask
 
 
 def init_server_state(method: Method, params: tuple[Params, ...],
@@ -403,6 +509,15 @@ def _stateful_attack(outputs, threat, is_mal, mask, key, attack_state,
   return _with_flat_deltas(outputs, attacked), attack_state, decoys
 
 
+def data_specs(config: RoundConfig):
+  """run_clients' specs for its shared (broadcast, data, server_data): the
+  data split over the clients axis when sharded, else None (replicated)."""
+  if config.block == config.num_clients:
+    return None
+  split = P(CLIENT_AXIS)
+  return (P(), FederatedData(split, split, split), P())
+
+
 def all_finite(tree: PyTree) -> jax.Array:
   """bool[]: every entry of every leaf is finite."""
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf))
@@ -420,12 +535,15 @@ def make_setup_step(method: Method, config: RoundConfig, *,
   if method.client_setup is None:
     raise SettingError('method', f'{method.name!r} has no setup step')
   cohorts = config.cohort_slots()
+  shared_specs = data_specs(config)
 
   def client_fn(j):
     def one(per_client, shared):
       client_id, key_data, client_state = per_client
       broadcast, data, server_data = shared
-      local = LocalData(data.x, data.y, client_id, data.count[client_id])
+      row = client_id % config.block
+      local = LocalData(data.x, data.y, client_id, data.count[row],
+                        data_row=row)
       return method.client_setup(j, broadcast, client_state, local,
                                  jax.random.wrap_key_data(key_data),
                                  server_data)
@@ -437,15 +555,28 @@ def make_setup_step(method: Method, config: RoundConfig, *,
     results = []
     for j, slots in enumerate(cohorts):
       everyone = CohortSlots(slots.members, len(slots.members))
-      ids, mask = sample_cohort(key, everyone, config.padded(
-          len(slots.members)))
+      order = None
+      if config.block < config.num_clients:   # sharded data
+        blocked, live = device_blocked_members(slots, config)
+        # The server setup sees the members in their order, padding last.
+        where = {int(m): i for i, m in enumerate(blocked) if live[i]}
+        order = np.array([where[m] for m in slots.members] +
+                         np.flatnonzero(~live).tolist())
+        ids, mask = jnp.asarray(blocked), jnp.asarray(live)
+      else:
+        ids, mask = sample_cohort(key, everyone, config.padded(
+            len(slots.members)))
       keys = jax.vmap(lambda i: jax.random.key_data(
           jax.random.fold_in(key, i)))(ids)
       client_state = method.client_state(state.method_state, j, ids)
       outputs = run_clients(client_fn(j), (ids, keys, client_state),
                             (method.broadcast(state, j), data, server_data),
                             strategy=config.strategy,
-                            chunk_size=config.chunk_size, mesh=mesh)
+                            chunk_size=config.chunk_size, mesh=mesh,
+                            shared_specs=shared_specs)
+      if order is not None:
+        ids, mask, outputs = jax.tree.map(lambda leaf: leaf[order],
+                                          (ids, mask, outputs))
       results.append((ids, mask, outputs))
     return state._replace(method_state=on_mesh(method.server_setup, mesh)(
         state, tuple(results)))
@@ -491,8 +622,14 @@ def make_round_step(method: Method, config: RoundConfig, *,
   if mesh is not None and mesh.size != config.num_devices:
     raise SettingError('num_devices', f'the mesh has {mesh.size} devices, '
                        f'the config says {config.num_devices}')
+  if (config.block < config.num_clients and threat is not None and
+      threat.every_round):
+    raise SettingError('client_data', 'the every-round attacker swaps a '
+                       "client from any device's block into a slot; it "
+                       'needs replicated client data')
   cohorts = config.cohort_slots()
   delay = config.delay
+  shared_specs = data_specs(config)
   # Slots can be masked when clients are busy (delays) or pad a cohort to
   # the device count. A masked slot's output is never used, so under
   # lax.map (the sequential strategy) it is skipped by lax.cond; under vmap
@@ -505,8 +642,9 @@ def make_round_step(method: Method, config: RoundConfig, *,
     def one_client(per_client, shared):
       client_id, key_data, client_state, is_mal, rank, live = per_client
       broadcast, data, server_data = shared
-      local = LocalData(data.x, data.y, client_id, data.count[client_id],
-                        is_mal, rank)
+      row = client_id % config.block
+      local = LocalData(data.x, data.y, client_id, data.count[row],
+                        is_mal, rank, row)
       key = jax.random.wrap_key_data(key_data)
       train = lambda: method.client_update(j, broadcast, client_state, local,
                                            key, server_data)
@@ -563,7 +701,9 @@ def make_round_step(method: Method, config: RoundConfig, *,
     expired = jnp.float32(0.0)    # train_on_arrival tickets too stale
     for j, slots in enumerate(cohorts):
       ids, mask = sample_cohort(per_cohort(sample_key, j), slots,
-                                config.padded(slots.clients_per_round))
+                                config.padded(slots.clients_per_round),
+                                num_clients=config.num_clients,
+                                strata=config.sample_strata)
       if delay is not None:
         mask = mask & (busy_until[ids] < now)   # busy clients are away
       if threat is not None and threat.absent:
@@ -634,7 +774,8 @@ def make_round_step(method: Method, config: RoundConfig, *,
                             (ids, keys, client_state, is_mal, rank, mask),
                             (method.broadcast(state, j), data, server_data),
                             strategy=config.strategy,
-                            chunk_size=config.chunk_size, mesh=mesh)
+                            chunk_size=config.chunk_size, mesh=mesh,
+                            shared_specs=shared_specs)
       if threat is not None and threat.model_attack is not None:
         outputs = _attack(outputs, threat, is_mal, mask,
                           per_cohort(attack_key, j))

@@ -328,8 +328,8 @@ def fdlora(*, cohorts, local: LocalConfig,
     lo = jnp.where(held > 0, data.count - held, 0)
     rows = lo + jax.random.randint(key, (fusion_examples,), 0,
                                    jnp.maximum(data.count - lo, 1))
-    x = data.x[data.client_id][rows]
-    y = data.y[data.client_id][rows]
+    x = data.x[data.row][rows]
+    y = data.y[data.row][rows]
     ones = jnp.ones((fusion_examples,), bool)
 
     def objective(w):
@@ -343,8 +343,8 @@ def fdlora(*, cohorts, local: LocalConfig,
     if not fusion_holdout:
       return data, jnp.int32(0)
     order = holdout_order(data.client_id, data.count, data.x.shape[1])
-    mine = LocalData(data.x[data.client_id][order][None],
-                     data.y[data.client_id][order][None], jnp.int32(0),
+    mine = LocalData(data.x[data.row][order][None],
+                     data.y[data.row][order][None], jnp.int32(0),
                      data.count, data.is_malicious, data.attacker_rank)
     return mine, jnp.minimum(fusion_examples, data.count // 5)
 

@@ -149,7 +149,7 @@ def fedala(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
 
       def step(w, batch):
         rows, mask, live = batch
-        x, y = data.x[data.client_id, rows], data.y[data.client_id, rows]
+        x, y = data.x[data.row, rows], data.y[data.row, rows]
         grad = jax.grad(lambda ww: loss(mix(global_p, state.local, ww,
                                             paths), x, y, mask,
                                         None)[0])(w)

@@ -167,7 +167,7 @@ def feddpa(name: str, sequential: bool, *, cohorts, local: LocalConfig,
     pick = jax.random.randint(anchor_key, (anchors,), 0,
                               jnp.maximum(data.count, 1))
     logits = model.apply(alone(base, new_own),
-                         data.x[data.client_id][pick])
+                         data.x[data.row][pick])
     return ClientOutput(
         delta=tree_sub(new_g, g),
         weight=data.count.astype(jnp.float32) * uploads,

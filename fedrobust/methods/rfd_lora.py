@@ -220,7 +220,7 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     z = anchor_logits(apply, new, server_data['anchors'],
                       anchor_batch).astype(jnp.float32)
     if prior_correction:
-      z = z - label_prior_offset(data.y[data.client_id], data.count,
+      z = z - label_prior_offset(data.y[data.row], data.count,
                                  z.shape[-1])[None, :]
     z = jnp.clip(z, -clip, clip)
     metrics = {**metrics, 'anchor_top_share': top_class_share(z),
