@@ -237,6 +237,28 @@ class RuleTest(absltest.TestCase):
     assert_unbatched_lapack(self, jax.jit(run_gram).lower(updates).as_text())
 
 
+def two_architecture_horus(num_clients):
+  """(mlp, lstm, cohorts, Horus method): MLP clients at the even ids and
+  row-LSTM clients at the odd ones, every client in every round, LoRA on
+  'first' and 'head', and a warm-up setup step into private backbones."""
+  mlp = models.get_model('mlp', num_classes=NUM_CLASSES,
+                         input_shape=IMAGE, hidden=(5,))
+  lstm = models.get_model('row_lstm', num_classes=NUM_CLASSES,
+                          input_shape=IMAGE, hidden=4)
+  targets = ('first', 'head')
+  half = num_clients // 2
+  cohorts = (Cohort('mlp', mlp, lora(mlp, ranks=(2,), targets=targets),
+                    tuple(range(0, num_clients, 2)), half),
+             Cohort('lstm', lstm, lora(lstm, ranks=(2,), targets=targets),
+                    tuple(range(1, num_clients, 2)), half))
+  local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
+  method = get_method('horus', cohorts=cohorts, local=local,
+                      optimizer=engine.sgd(learning_rate=0.5),
+                      share='first,head', warmup_epochs=2,
+                      aggregator=get_aggregator('horus', percentile=100.0))
+  return mlp, lstm, cohorts, method
+
+
 class PipelineTest(absltest.TestCase):
 
   def test_two_architectures_warm_up_and_share_aligned_lora(self):
@@ -244,20 +266,7 @@ class PipelineTest(absltest.TestCase):
     up into its own backbone, a round aggregates the aligned LoRA factors
     of 'first' and 'head' across both cohorts, and every client's own
     model is evaluated."""
-    mlp = models.get_model('mlp', num_classes=NUM_CLASSES,
-                           input_shape=IMAGE, hidden=(5,))
-    lstm = models.get_model('row_lstm', num_classes=NUM_CLASSES,
-                            input_shape=IMAGE, hidden=4)
-    targets = ('first', 'head')
-    cohorts = (Cohort('mlp', mlp, lora(mlp, ranks=(2,), targets=targets),
-                      (0, 2, 4), 3),
-               Cohort('lstm', lstm, lora(lstm, ranks=(2,), targets=targets),
-                      (1, 3, 5), 3))
-    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
-    method = get_method('horus', cohorts=cohorts, local=local,
-                        optimizer=engine.sgd(learning_rate=0.5),
-                        share='first,head', warmup_epochs=2,
-                        aggregator=get_aggregator('horus', percentile=100.0))
+    mlp, lstm, cohorts, method = two_architecture_horus(6)
     config = engine.RoundConfig(
         num_clients=6, clients_per_round=6, strategy='vmap',
         cohorts=tuple(engine.CohortSlots(c.members, 3) for c in cohorts))

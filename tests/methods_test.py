@@ -186,13 +186,9 @@ class MethodConformanceTest(parameterized.TestCase):
     chex.assert_trees_all_close(got[0], ref[0], rtol=1e-6, atol=1e-7)
     chex.assert_trees_all_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
 
-  @parameterized.parameters(*sorted(METHODS))
-  def test_sharded_round_matches_single_device(self, name):
-    if jax.device_count() < 4:
-      self.skipTest('needs 4 devices (XLA_FLAGS=--xla_force_host_platform_'
-                    'device_count=4, set by conftest.py)')
+  def _assert_matches_single_device(self, name, variant):
     single, single_metrics = run_rounds(name, 'plain', 2)
-    sharded, sharded_metrics = run_rounds(name, 'sharded', 2)
+    sharded, sharded_metrics = run_rounds(name, variant, 2)
     chex.assert_trees_all_close(sharded.params, single.params, rtol=1e-5,
                                 atol=1e-6)
     chex.assert_trees_all_close(sharded.method_state, single.method_state,
@@ -202,22 +198,21 @@ class MethodConformanceTest(parameterized.TestCase):
                        float(single_metrics[key]), key)
 
   @parameterized.parameters(*sorted(METHODS))
+  def test_sharded_round_matches_single_device(self, name):
+    if jax.device_count() < 4:
+      self.skipTest('needs 4 devices (XLA_FLAGS=--xla_force_host_platform_'
+                    'device_count=4, set by conftest.py)')
+    self._assert_matches_single_device(name, 'sharded')
+
+  @parameterized.parameters(*sorted(METHODS))
   def test_sharded_data_matches_single_device(self, name):
     """Each of 2 devices holds 2 clients' rows (a client indexing the
     data by its id instead of LocalData.row would read another's)."""
     if jax.device_count() < 2:
       self.skipTest('needs 2 devices (set by conftest.py)')
-    single, single_metrics = run_rounds(name, 'plain', 2)
-    sharded, sharded_metrics = run_rounds(name, 'sharded_data', 2)
     self.assertEqual(case(name, 'sharded_data')[3].x.sharding.spec,
                      jax.sharding.PartitionSpec('clients'))
-    chex.assert_trees_all_close(sharded.params, single.params, rtol=1e-5,
-                                atol=1e-6)
-    chex.assert_trees_all_close(sharded.method_state, single.method_state,
-                                rtol=1e-5, atol=1e-6)
-    for key in ('examples', 'clients_trained'):
-      self.assertEqual(float(sharded_metrics[key]),
-                       float(single_metrics[key]), key)
+    self._assert_matches_single_device(name, 'sharded_data')
 
   @parameterized.parameters(*CASES)
   def test_no_retrace_across_rounds(self, name, variant):

@@ -8,16 +8,12 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from fedrobust import engine, models
-from fedrobust.aggregators import get_aggregator
-from fedrobust.cohort import Cohort
+from fedrobust import engine
 from fedrobust.engine import execution
 from fedrobust.errors import SettingError
-from fedrobust.methods import get_method
-from fedrobust.transforms import lora
 
-from tests.engine_test import (IMAGE, NUM_CLASSES, fedavg_method,
-                               linear_model, toy_data)
+from tests.engine_test import fedavg_method, linear_model, toy_data
+from tests.horus_test import two_architecture_horus
 
 
 def _needs_devices(test, n=4):
@@ -145,20 +141,7 @@ class ShardedDataTest(parameterized.TestCase):
     """Horus's warm-up setup step (every client once, device-blocked) and
     a round of two interleaved cohorts."""
     _needs_devices(self)
-    mlp = models.get_model('mlp', num_classes=NUM_CLASSES,
-                           input_shape=IMAGE, hidden=(5,))
-    lstm = models.get_model('row_lstm', num_classes=NUM_CLASSES,
-                            input_shape=IMAGE, hidden=4)
-    targets = ('first', 'head')
-    cohorts = (Cohort('mlp', mlp, lora(mlp, ranks=(2,), targets=targets),
-                      (0, 2, 4, 6), 4),
-               Cohort('lstm', lstm, lora(lstm, ranks=(2,), targets=targets),
-                      (1, 3, 5, 7), 4))
-    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
-    method = get_method('horus', cohorts=cohorts, local=local,
-                        optimizer=engine.sgd(learning_rate=0.5),
-                        share='first,head', warmup_epochs=2,
-                        aggregator=get_aggregator('horus', percentile=100.0))
+    mlp, lstm, cohorts, method = two_architecture_horus(8)
     host = toy_data([4, 3, 4, 2, 4, 4, 1, 3], 4, seed=7)
     mesh = engine.client_mesh(4)
     out = {}
