@@ -4,8 +4,9 @@ round_step(state, data, server_data) -> (state, metrics). For every cohort
 j (a static Python loop at trace time, so still one program):
   1. sample C_j of the cohort's clients (sorted ids, padded to a multiple
      of the device count with masked slots; or C_j / S from each of S
-     strata of ids, the layout client data sharded over devices needs); with client delays, a sampled
-     client that is still busy with an earlier update is masked too;
+     strata of ids, as client data sharded over devices needs); with
+     client delays, a sampled client that is still busy with an earlier
+     update is masked too;
   2. run the method's client_update for every slot (engine.execution);
   3. with a Threat, mark the attacking slots (data poisoning happens inside
      their local training) and apply the model attack to their deltas;
@@ -261,7 +262,7 @@ def sample_cohort(key: jax.Array, slots: CohortSlots, num_slots: int, *,
   strata members of each stratum (ids s K / strata .. (s + 1) K / strata -
   1), uniform within it, sorted; the slots are stratum-major, so under a
   mesh whose devices hold the strata in order every slot is a client of
-  its own device. num_slots must then be C_j.
+  its own device. Slots past C_j are padding, as without strata.
 
   Returns:
     ids int32[num_slots] and mask bool[num_slots]; padded slots carry the
