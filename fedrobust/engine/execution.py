@@ -201,6 +201,11 @@ def place_clients(tree: PyTree, mesh: Mesh | None, layout: str) -> PyTree:
     spans = [index[0] for index in
              sharding.addressable_devices_indices_map(leaf.shape).values()]
     lo, hi = min(s.start for s in spans), max(s.stop for s in spans)
+    if sum(s.stop - s.start for s in set(spans)) != hi - lo:
+      raise SettingError('client_data', 'this process\'s devices hold '
+                         'client blocks that are not contiguous on the mesh '
+                         f'({sorted((s.start, s.stop) for s in set(spans))}); '
+                         'order the mesh devices by process')
     return jax.make_array_from_process_local_data(sharding, leaf[lo:hi],
                                                   leaf.shape)
   return jax.tree.map(place, tree)
