@@ -198,14 +198,14 @@ def place_clients(tree: PyTree, mesh: Mesh | None, layout: str) -> PyTree:
                          f'split evenly over {mesh.size} devices')
     if jax.process_count() == 1:
       return jax.device_put(leaf, sharding)
-    spans = [index[0] for index in
-             sharding.addressable_devices_indices_map(leaf.shape).values()]
-    lo, hi = min(s.start for s in spans), max(s.stop for s in spans)
-    if sum(s.stop - s.start for s in set(spans)) != hi - lo:
+    spans = sorted({(index[0].start, index[0].stop) for index in
+                    sharding.addressable_devices_indices_map(
+                        leaf.shape).values()})
+    lo, hi = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != hi - lo:
       raise SettingError('client_data', 'this process\'s devices hold '
-                         'client blocks that are not contiguous on the mesh '
-                         f'({sorted((s.start, s.stop) for s in set(spans))}); '
-                         'order the mesh devices by process')
+                         f'client blocks {spans}, not contiguous on the '
+                         'mesh; order the mesh devices by process')
     return jax.make_array_from_process_local_data(sharding, leaf[lo:hi],
                                                   leaf.shape)
   return jax.tree.map(place, tree)
