@@ -169,11 +169,24 @@ class ShardedDataTest(parameterized.TestCase):
     config = engine.RoundConfig(num_clients=8, clients_per_round=3,
                                 strategy='vmap', num_devices=2,
                                 client_data='sharded')
-    ids, mask = engine.round.device_blocked_members(
-        engine.CohortSlots((0, 1, 2, 5), 3), config)
+    ids, mask, order = engine.round.device_blocked_members(
+        engine.CohortSlots((5, 0, 1, 2), 3), config)
     # Device 0 holds 0..3 (members 0, 1, 2), device 1 holds 4..7 (5).
     np.testing.assert_array_equal(ids, [0, 1, 2, 5, 5, 5])
     np.testing.assert_array_equal(mask, [1, 1, 1, 1, 0, 0])
+    # The members in the cohort's order (5, 0, 1, 2), then the padding.
+    np.testing.assert_array_equal(ids[order], [5, 0, 1, 2, 5, 5])
+    np.testing.assert_array_equal(order[4:], [4, 5])
+
+  def test_sharded_data_needs_its_mesh(self):
+    config = engine.RoundConfig(num_clients=8, clients_per_round=4,
+                                strategy='vmap', num_devices=2,
+                                sample_strata=2, client_data='sharded')
+    method = fedavg_method(linear_model(), batch_size=4, epochs=1, n_max=4,
+                           num_clients=8)
+    with self.assertRaises(SettingError) as ctx:
+      engine.make_round_step(method, config)
+    self.assertEqual(ctx.exception.argument, 'client_data')
 
 
 if __name__ == '__main__':

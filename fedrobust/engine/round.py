@@ -268,8 +268,10 @@ def sample_cohort(key: jax.Array, slots: CohortSlots, num_slots: int, *,
     ids int32[num_slots] and mask bool[num_slots]; padded slots carry the
     first member's id and mask False.
   """
+  members = jnp.asarray(slots.members, jnp.int32)
+  k, c = len(slots.members), slots.clients_per_round
   if strata > 1:
-    per = slots.clients_per_round // strata
+    per = c // strata
     ids = []
     for s, block in enumerate(strata_members(slots, num_clients, strata)):
       block = jnp.asarray(block, jnp.int32)
@@ -277,13 +279,7 @@ def sample_cohort(key: jax.Array, slots: CohortSlots, num_slots: int, *,
                                     block.shape[0])[:per]
       ids.append(jnp.sort(block[pick]))
     ids = jnp.concatenate(ids)
-    pad = num_slots - ids.shape[0]
-    return (jnp.concatenate([ids, jnp.full((pad,), slots.members[0],
-                                           jnp.int32)]),
-            jnp.arange(num_slots) < ids.shape[0])
-  members = jnp.asarray(slots.members, jnp.int32)
-  k, c = len(slots.members), slots.clients_per_round
-  if c == k:
+  elif c == k:
     ids = members
   else:
     ids = jnp.sort(members[jax.random.permutation(key, k)[:c]])
@@ -333,14 +329,16 @@ def sample_clients(key: jax.Array, config: RoundConfig
 
 
 def device_blocked_members(slots: CohortSlots, config: RoundConfig
-                           ) -> tuple[np.ndarray, np.ndarray]:
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Every member of the cohort once, in slots grouped by the device whose
   block of sharded data holds it, each device's group padded to the
   largest with masked copies of its first member (the setup step's
   "everyone" under client_data='sharded').
 
   Returns:
-    ids int32[N * G] and mask bool[N * G] for N devices of G slots.
+    ids int32[N * G] and mask bool[N * G] for N devices of G slots, and
+    the slot order that lists the members in the cohort's own order,
+    padding last.
   """
   blocks = strata_members(slots, config.num_clients, config.num_devices)
   width = max(len(b) for b in blocks)
@@ -348,7 +346,10 @@ def device_blocked_members(slots: CohortSlots, config: RoundConfig
                         for b in blocks]).astype(np.int32)
   mask = np.concatenate([[True] * len(b) + [False] * (width - len(b))
                          for b in blocks])
-  return ids, mask
+  slot_of = {int(m): i for i, m in enumerate(ids) if mask[i]}
+  order = np.array([slot_of[m] for m in slots.members] +
+                   np.flatnonzero(~mask).tolist())
+  return ids, mask, order
 
 
 def init_server_state(method: Method, params: tuple[Params, ...],
@@ -510,6 +511,24 @@ def _stateful_attack(outputs, threat, is_mal, mask, key, attack_state,
   return _with_flat_deltas(outputs, attacked), attack_state, decoys
 
 
+def client_view(config: RoundConfig, data: FederatedData,
+                client_id: jax.Array, is_mal: jax.Array | bool = False,
+                rank: jax.Array | int = 0) -> LocalData:
+  """ONE client's LocalData inside run_clients: its row is its id within
+  the device's block of the data (the id itself when replicated)."""
+  row = client_id % config.block
+  return LocalData(data.x, data.y, client_id, data.count[row], is_mal,
+                   rank, row)
+
+
+def check_mesh_for_data(config: RoundConfig, mesh: Mesh | None) -> None:
+  """Sharded data on several devices needs the mesh that splits it: off
+  the mesh a client's row within its block would index the whole array."""
+  if config.block < config.num_clients and mesh is None:
+    raise SettingError('client_data', f'sharded client data over '
+                       f'{config.num_devices} devices needs their mesh')
+
+
 def data_specs(config: RoundConfig):
   """run_clients' specs for its shared (broadcast, data, server_data): the
   data split over the clients axis when sharded, else None (replicated)."""
@@ -535,6 +554,7 @@ def make_setup_step(method: Method, config: RoundConfig, *,
   with a setup step and one resumed after it match bitwise."""
   if method.client_setup is None:
     raise SettingError('method', f'{method.name!r} has no setup step')
+  check_mesh_for_data(config, mesh)
   cohorts = config.cohort_slots()
   shared_specs = data_specs(config)
 
@@ -542,9 +562,7 @@ def make_setup_step(method: Method, config: RoundConfig, *,
     def one(per_client, shared):
       client_id, key_data, client_state = per_client
       broadcast, data, server_data = shared
-      row = client_id % config.block
-      local = LocalData(data.x, data.y, client_id, data.count[row],
-                        data_row=row)
+      local = client_view(config, data, client_id)
       return method.client_setup(j, broadcast, client_state, local,
                                  jax.random.wrap_key_data(key_data),
                                  server_data)
@@ -558,12 +576,9 @@ def make_setup_step(method: Method, config: RoundConfig, *,
       everyone = CohortSlots(slots.members, len(slots.members))
       order = None
       if config.block < config.num_clients:   # sharded data
-        blocked, live = device_blocked_members(slots, config)
-        # The server setup sees the members in their order, padding last.
-        where = {int(m): i for i, m in enumerate(blocked) if live[i]}
-        order = np.array([where[m] for m in slots.members] +
-                         np.flatnonzero(~live).tolist())
-        ids, mask = jnp.asarray(blocked), jnp.asarray(live)
+        # Run by device; the server setup sees the members in their order.
+        ids, mask, order = device_blocked_members(slots, config)
+        ids, mask = jnp.asarray(ids), jnp.asarray(mask)
       else:
         ids, mask = sample_cohort(key, everyone, config.padded(
             len(slots.members)))
@@ -623,6 +638,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
   if mesh is not None and mesh.size != config.num_devices:
     raise SettingError('num_devices', f'the mesh has {mesh.size} devices, '
                        f'the config says {config.num_devices}')
+  check_mesh_for_data(config, mesh)
   if (config.block < config.num_clients and threat is not None and
       threat.every_round):
     raise SettingError('client_data', 'the every-round attacker swaps a '
@@ -643,9 +659,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
     def one_client(per_client, shared):
       client_id, key_data, client_state, is_mal, rank, live = per_client
       broadcast, data, server_data = shared
-      row = client_id % config.block
-      local = LocalData(data.x, data.y, client_id, data.count[row],
-                        is_mal, rank, row)
+      local = client_view(config, data, client_id, is_mal, rank)
       key = jax.random.wrap_key_data(key_data)
       train = lambda: method.client_update(j, broadcast, client_state, local,
                                            key, server_data)
