@@ -368,11 +368,13 @@ LORA_COMM_METHODS = ('fedavg', 'fedit', 'ffa_lora', 'flora', 'flexlora',
 # ----------------------------------------------------------------------------
 
 
+DETECTION_KEYS = ('det_tp', 'det_fp', 'det_fn', 'det_tn')
+
+
 def detection_rates(counts: dict[str, Any], prefix: str) -> dict[str, Any]:
   """Precision, recall, FPR, FNR and accuracy (FedHAN's DACC) of
   'excluded' vs 'malicious' (NaN if 0/0)."""
-  tp, fp, fn, tn = (float(counts[k]) for k in ('det_tp', 'det_fp', 'det_fn',
-                                               'det_tn'))
+  tp, fp, fn, tn = (float(counts[k]) for k in DETECTION_KEYS)
   div = lambda a, b: a / b if b else float('nan')
   return {f'{prefix}detection_precision': div(tp, tp + fp),
           f'{prefix}detection_recall': div(tp, tp + fn),
@@ -1122,12 +1124,19 @@ def _run_locked(config: dict[str, Any], program: Program,
 
   num_rounds = config['num_rounds']
   round_times = []
-  # Cumulative detection counts continue from the last logged row (exact on
-  # resume when --checkpoint_every is a multiple of --eval_every).
-  detection_totals = {k: (rows[-1].get('cumulative_' + k, 0.0) if rows
-                          else 0.0)
-                      for k in ('det_tp', 'det_fp', 'det_fn', 'det_tn')}
-  skipped = list(rows[-1].get('skipped_rounds', [])) if rows else []
+  # Host-side totals (cumulative detection counts, skipped rounds) resume
+  # from the restored step's ledger, so they are exact whatever
+  # --checkpoint_every and --eval_every are; a step saved by an older
+  # version has none, and they continue from the last logged row.
+  ledger = checkpointer.ledger(restored[0]) if restored is not None else None
+  if ledger is None:
+    ledger = {
+        'detection_totals': {k: (rows[-1].get('cumulative_' + k, 0.0)
+                                 if rows else 0.0) for k in DETECTION_KEYS},
+        'skipped_rounds': list(rows[-1].get('skipped_rounds', []))
+                          if rows else []}
+  detection_totals = dict(ledger['detection_totals'])
+  skipped = list(ledger['skipped_rounds'])
   diverged_at = None
   threat = program.threat
   for rnd in range(start_round + 1, num_rounds + 1):
@@ -1191,7 +1200,8 @@ def _run_locked(config: dict[str, Any], program: Program,
     if stop:
       break                           # the diverged state is not saved
     if rnd % config['checkpoint_every'] == 0 or rnd == num_rounds:
-      checkpointer.save(rnd, state)
+      checkpointer.save(rnd, state, ledger={
+          'detection_totals': detection_totals, 'skipped_rounds': skipped})
   checkpointer.close()
 
   final_finite = bool(jax.device_get(all_finite(state.params)))

@@ -13,6 +13,13 @@ fails to restore. Here old steps are first renamed into a trash directory
 (`todelete_subdir`, one atomic rename), and the trash is emptied afterwards
 and at every start.
 
+Host ledger: `save(step, state, ledger=...)` can record a small JSON
+object beside the step (`.integrity/<step>.ledger.json`, written
+atomically before the hash, with its own sha256 inside): host-side run
+totals, such as cumulative detection counts, that must resume with the
+state. A step whose ledger does not match its checksum is bad, like a
+step whose state does not match its hash.
+
 Start-up: `restore_latest` tries the newest step first. A step that fails
 to restore, has no hash, or whose restored content does not match its hash
 (a flipped bit anywhere in its files) is never deleted: it is moved aside
@@ -32,6 +39,7 @@ that every process can hash it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from typing import Any, Callable
@@ -117,14 +125,27 @@ class Checkpointer:
   def _hash_path(self, step: int) -> str:
     return os.path.join(self.directory, _INTEGRITY, f'{step}.sha256')
 
+  def _ledger_path(self, step: int) -> str:
+    return os.path.join(self.directory, _INTEGRITY, f'{step}.ledger.json')
+
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def save(self, step: int, state: PyTree) -> None:
+  def save(self, step: int, state: PyTree, ledger: dict | None = None
+           ) -> None:
+    """Saves `state` as `step`, and `ledger` (a JSON-serialisable dict of
+    host-side totals) beside it when given."""
     self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
     self._manager.wait_until_finished()
     if is_primary():
       os.makedirs(os.path.join(self.directory, _INTEGRITY), exist_ok=True)
+      if ledger is not None:    # before the hash, which completes the step
+        body = json.dumps(ledger, sort_keys=True)
+        write_atomic(self._ledger_path(step), json.dumps(
+            {'sha256': hashlib.sha256(body.encode()).hexdigest(),
+             'ledger': json.loads(body)}, sort_keys=True).encode())
+      elif os.path.exists(self._ledger_path(step)):   # a stale one
+        os.unlink(self._ledger_path(step))
       write_atomic(self._hash_path(step), state_digest(state).encode())
       self._empty_trash()
       kept = {str(s) for s in self.steps()}
@@ -152,6 +173,8 @@ class Checkpointer:
         os.replace(path, target)
       if os.path.exists(self._hash_path(step)):
         os.replace(self._hash_path(step), target + '.sha256')
+      if os.path.exists(self._ledger_path(step)):
+        os.replace(self._ledger_path(step), target + '.ledger.json')
     barrier(f'checkpoint-set-aside {self.directory} {step} moved')
     self._manager.reload()
     return target
@@ -169,7 +192,30 @@ class Checkpointer:
     if actual != expected:
       return (f'content hash {actual[:12]}... differs from the recorded '
               f'{expected[:12]}...')
+    try:
+      self._read_ledger(step)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+      return f'bad ledger ({type(err).__name__}: {err})'
     return None
+
+  def _read_ledger(self, step: int) -> dict | None:
+    """The step's ledger, None if it has none; ValueError if it does not
+    match its checksum."""
+    try:
+      with open(self._ledger_path(step)) as f:
+        record = json.load(f)
+    except FileNotFoundError:
+      return None
+    body = json.dumps(record['ledger'], sort_keys=True)
+    if hashlib.sha256(body.encode()).hexdigest() != record['sha256']:
+      raise ValueError('its content does not match its recorded sha256')
+    return record['ledger']
+
+  def ledger(self, step: int) -> dict | None:
+    """The ledger saved with `step` (None when the step has none, e.g.
+    one written by an older version). Read after restore_latest, which
+    has verified it."""
+    return self._read_ledger(step)
 
   def _restore(self, step: int, like: PyTree) -> tuple[PyTree, str | None]:
     """(state, None) if the step restores as `like` and verifies, else

@@ -1,8 +1,10 @@
 """End-to-end tests of experiments/ on tiny real-format (IDX) data."""
 
+import glob
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -271,6 +273,38 @@ class EndToEndTest(IdxDataTestCase):
     self.assertEqual(resumed['params_sha256'], straight['params_sha256'])
     self.assertEqual([r['round'] for r in rows], [1, 2, 3, 4])
     self.assertTrue(all('staleness_mean' in r for r in rows))
+
+  def test_detection_totals_resume_exactly_between_evaluations(self):
+    """A run that dies after checkpointing round 2 of 3, with its only
+    metrics row due at round 3, resumes its cumulative detection counts
+    from the checkpoint's ledger: the final row equals a straight run's."""
+    config = base_config(self.data_dir, None, num_clients=8,
+                         clients_per_round=0, attack='badnets',
+                         malicious_fraction=0.25, aggregator='krum',
+                         num_rounds=3, eval_every=3, checkpoint_every=1,
+                         log_clients=False)
+    def last_row(workdir):
+      with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+        return json.loads(f.readlines()[-1])
+    keys = ['cumulative_det_' + k for k in ('tp', 'fp', 'fn', 'tn')]
+    straight = self.create_tempdir().full_path
+    train.run(dict(config, workdir=straight))
+    expected = {k: last_row(straight)[k] for k in keys}
+    # Krum keeps one of 8 clients: 7 exclusions a round, 3 rounds.
+    self.assertEqual(expected[keys[0]] + expected[keys[1]], 21.0)
+    workdir = self.create_tempdir().full_path
+    train.run(dict(config, workdir=workdir))
+    # Undo round 3 as a kill after step 2's save would have left it: no
+    # step 3, no metrics row.
+    ckpt = os.path.join(workdir, 'checkpoints')
+    shutil.rmtree(os.path.join(ckpt, '3'))
+    for name in glob.glob(os.path.join(ckpt, '.integrity', '3.*')):
+      os.unlink(name)
+    open(os.path.join(workdir, 'metrics.jsonl'), 'w').close()
+    train.run(dict(config, workdir=workdir))
+    row = last_row(workdir)
+    self.assertEqual(row['round'], 3)
+    self.assertEqual({k: row[k] for k in keys}, expected)
 
   def test_fedhan_state_survives_kill_dash_nine(self):
     """FedHAN on width-sliced, delayed clients under an attack, with
@@ -722,6 +756,42 @@ class CheckpointerTest(absltest.TestCase):
     self.assertEqual(ckpt.steps(), [2])
     # The broken step is kept aside, not deleted.
     self.assertTrue(os.path.isdir(os.path.join(directory, '.broken', '3')))
+    ckpt.close()
+
+  def test_ledger_is_saved_verified_and_retired_with_its_step(self):
+    directory = self.create_tempdir().full_path
+    ckpt = Checkpointer(directory, keep=2)
+    state = {'w': np.arange(4.0, dtype=np.float32)}
+    for step in (1, 2, 3):
+      ckpt.save(step, {'w': state['w'] * step},
+                ledger={'totals': {'tp': step / 3}, 'skipped': [step]})
+    integrity = os.path.join(directory, '.integrity')
+    self.assertEqual(sorted(os.listdir(integrity)),
+                     ['2.ledger.json', '2.sha256', '3.ledger.json',
+                      '3.sha256'])
+    self.assertEqual(ckpt.ledger(3), {'totals': {'tp': 1.0}, 'skipped': [3]})
+    ckpt.close()
+    # One digit of step 3's ledger changed: the step is bad (set aside,
+    # ledger with it) and the resume falls back to step 2 and its ledger.
+    path = os.path.join(integrity, '3.ledger.json')
+    with open(path) as f:
+      text = f.read()
+    with open(path, 'w') as f:
+      f.write(text.replace('[3]', '[4]'))
+    ckpt = Checkpointer(directory, keep=2)
+    step, restored = ckpt.restore_latest(state)
+    self.assertEqual(step, 2)
+    np.testing.assert_array_equal(restored['w'], state['w'] * 2)
+    self.assertEqual(ckpt.ledger(2), {'totals': {'tp': 2 / 3}, 'skipped': [2]})
+    self.assertTrue(os.path.exists(
+        os.path.join(directory, '.broken', '3.ledger.json')))
+    # A step saved without a ledger has none, and a stale file of a step
+    # that did not complete earlier goes.
+    shutil.copy(os.path.join(integrity, '2.ledger.json'),
+                os.path.join(integrity, '4.ledger.json'))
+    ckpt.save(4, {'w': state['w']})
+    self.assertIsNone(ckpt.ledger(4))
+    self.assertFalse(os.path.exists(os.path.join(integrity, '4.ledger.json')))
     ckpt.close()
 
   def test_state_of_another_layout_is_refused_not_deleted(self):
