@@ -97,6 +97,35 @@ class CascadeTest(absltest.TestCase):
                       ).reshape(kernel.shape), rtol=1e-4, atol=1e-5)
 
 
+class InputBasisTest(absltest.TestCase):
+
+  def test_input_update_tracks_the_input_side_change(self):
+    """cluster_basis='input_update': after the first root round each
+    client's EMA is its A change (delta a, [d_in, r]) over its norm (Eq. 7
+    from a zero EMA), and the clustering runs on it."""
+    method, _, state, data, server_data = case('hilora', 'input_update')
+    ids = jnp.arange(4, dtype=jnp.int32)
+    cs = method.client_state(state.method_state, 0, ids)
+    outs = jax.vmap(lambda i, c, k: method.client_update(
+        0, method.broadcast(state, 0), c,
+        LocalData(data.x, data.y, i, data.count[i]), k, server_data))(
+            ids, cs, jax.random.split(jax.random.key(0), 4))
+    arr = (Arrivals(ids, jnp.ones(4, bool), outs, jnp.zeros(4, jnp.int32)),)
+    ms = jax.jit(method.server_update)(state, arr, jax.random.key(1),
+                                       server_data)[1]
+    for p in lora_modules(state.params[0]):
+      da = np.asarray(get_path(outs.delta, p)['a'])        # [4, d_in, r]
+      self.assertEqual(ms.ema[p].shape, da.shape)
+      self.assertGreater(np.abs(da).max(), 0.0)
+      # (a client with one real batch never moves a: b starts at zero, so
+      # its first step's a gradient is zero; its EMA stays zero)
+      norm = np.linalg.norm(da.reshape(4, -1), axis=1)[:, None, None]
+      want = np.where(norm > 0, da / np.maximum(norm, 1e-30), 0.0)
+      np.testing.assert_allclose(ms.ema[p], want, rtol=1e-5, atol=1e-6)
+    self.assertEqual(int(ms.num_clusters), 2)
+    self.assertEqual(sorted(set(np.asarray(ms.assign).tolist())), [0, 1])
+
+
 class CpuLapackTest(absltest.TestCase):
 
   def test_no_batched_lapack_call_on_cpu(self):

@@ -73,7 +73,9 @@ def case(name, variant):
   method = get_method(name, cohorts=cohorts, local=local,
                       optimizer=engine.sgd(learning_rate=0.1, momentum=0.9),
                       **SETTINGS.get(name, {}),
-                      **({'cascade': False} if variant == 'joint' else {}))
+                      **({'cascade': False} if variant == 'joint' else {}),
+                      **({'cluster_basis': 'input_update'}
+                         if variant == 'input_update' else {}))
   data = toy_data([5, 8, 3, 6], 8, seed=4)
   server_data = {}
   if 'validation' in METHODS[name].server_data:

@@ -80,7 +80,7 @@ class HiLoRAState(NamedTuple):
   clusters: Params          # cluster factors, leaves [K_max, ...]
   leaves: Params            # leaf factors, leaves [N, ...]
   assign: jax.Array         # int32[N] cluster of each client, -1: none
-  ema: dict                 # module path -> Bbar float32[N, d_out, r]
+  ema: dict                 # path -> Bbar float32[N, d_out, r] (d_in: input_update)
   seen: jax.Array           # bool[N] trained in the root stage
   root_dense: dict          # module path -> s a_r b_r [d_in, d_out]
   cluster_dense: dict       # module path -> s a_c b_c [K_max, d_in, d_out]
@@ -105,6 +105,9 @@ def _rows_where(flags, on, off):
       on, off)
 
 
+CLUSTER_BASES = ('factor', 'update', 'input_update')
+
+
 def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
            optimizer: optax.GradientTransformation, aggregator=None,
            server_lr: float = 1.0, poison=None, num_clients: int = 0,
@@ -126,7 +129,12 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     ema_decay: lambda of the subspace EMA (Eq. 7).
     k_min, k_max: the eigengap's range of cluster counts (Sec. 3.2).
     cluster_basis: what the EMA tracks, 'factor' (the client's trained
-      basis B_i, the paper) or 'update' (B_i - B_root, its local change).
+      basis B_i, the paper) or 'update' (B_i - B_root, its local change),
+      or 'input_update' (not in the paper: the change of the input-side
+      factor, A_i - A_root transposed to [d_in, r], whose columns lie in
+      the span of the client's layer inputs, where a domain shows; B's
+      columns lie in the span of its output gradients, which a shared task
+      shares). Routing (Sec. 3.4) compares B bases in every case.
     probe_epochs: a newcomer's probe training before routing (Sec. 3.4's
       "few local gradient steps").
     clustering: 'subspace' (Sec. 3.2) or 'cosine_kmeans', Table 4's
@@ -150,9 +158,9 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
   if not 1 <= k_min <= k_max:
     raise SettingError('k_min', f'need 1 <= k_min <= k_max, got {k_min}, '
                        f'{k_max}', component='method hilora')
-  if cluster_basis not in ('factor', 'update'):
-    raise SettingError('cluster_basis', "must be 'factor' or 'update', got "
-                       f'{cluster_basis!r}', component='method hilora')
+  if cluster_basis not in CLUSTER_BASES:
+    raise SettingError('cluster_basis', f'must be one of {CLUSTER_BASES}, '
+                       f'got {cluster_basis!r}', component='method hilora')
   for name, value in (('tau_rel', tau_rel), ('gamma_c', gamma_c),
                       ('gamma_l', gamma_l)):
     if value < 0:
@@ -189,7 +197,9 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
                                                 k_max))
     leaves = jax.vmap(fresh)(jax.random.split(jax.random.fold_in(key, 2), n))
     dense = products(root, scale)
-    ema = {p: jnp.zeros((n, get_path(root, p)['b'].shape[-1], rank))
+    ema = {p: jnp.zeros((n, get_path(root, p)['a'].shape[0]
+                         if cluster_basis == 'input_update'
+                         else get_path(root, p)['b'].shape[-1], rank))
            for p in lora_modules(root)}
     state = HiLoRAState(
         base=base, clusters=clusters, leaves=leaves,
@@ -336,12 +346,15 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     root_step = _relative(ms.root_dense, root_dense)
     ema = {}
     for p in ms.ema:
-      b_new = get_path(new, p)['b']
-      if cluster_basis == 'update':
-        b_new = b_new - get_path(root, p)['b'][None]
-      bar = jax.vmap(lambda prev, b: hs.ema_basis(prev, hs.basis_of(b),
-                                                  ema_decay))(
-                                                      ms.ema[p][ids], b_new)
+      if cluster_basis == 'input_update':     # A_i - A_root: [C, d_in, r]
+        basis = (get_path(new, p)['a'] - get_path(root, p)['a'][None])
+      else:
+        b_new = get_path(new, p)['b']
+        if cluster_basis == 'update':
+          b_new = b_new - get_path(root, p)['b'][None]
+        basis = hs.basis_of(b_new)
+      bar = jax.vmap(lambda prev, b: hs.ema_basis(prev, b, ema_decay))(
+          ms.ema[p][ids], basis)
       ema[p] = jnp.where(in_root, scatter_clients(ms.ema[p], ids, bar, mask),
                          ms.ema[p])
     seen = scatter_clients(ms.seen, ids, jnp.ones_like(mask), mask & in_root)
@@ -503,7 +516,9 @@ HILORA = MethodSpec(
         Setting('k_min', 2, 'Smallest cluster count the eigengap may pick.'),
         Setting('k_max', 8, 'Largest cluster count the eigengap may pick.'),
         Setting('cluster_basis', 'factor', "The EMA's basis: 'factor' "
-                "(B_i, the paper) or 'update' (B_i - B_root)."),
+                "(B_i, the paper), 'update' (B_i - B_root) or "
+                "'input_update' (A_i - A_root, the input side; not in the "
+                'paper).'),
         Setting('probe_epochs', 1, "A newcomer's probe training (epochs) "
                 'before it is routed to a cluster (Sec. 3.4).'),
         Setting('clustering', 'subspace', "'subspace' (Sec. 3.2: LoRA "
