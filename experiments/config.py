@@ -245,7 +245,7 @@ CORE: tuple[Setting, ...] = (
       'optimizer stay float32); auto: bfloat16 on TPU, float32 elsewhere.',
       choices=('auto',) + COMPUTE_DTYPES),
     S('num_devices', 0, 'Devices the client axis is sharded over (0: all '
-      'local devices).'),
+      'of them, every process\'s under --distributed).'),
     S('client_data', 'replicated', "Clients' training data on the mesh: "
       'replicated (every device holds all of it) or sharded (each device '
       'holds its block of client ids, and under --distributed each process '

@@ -513,7 +513,9 @@ def build(config: dict[str, Any]) -> Program:
   compute_dtype = config['compute_dtype']
   if compute_dtype == 'auto':
     compute_dtype = default_compute_dtype(backend)
-  num_devices = config['num_devices'] or jax.local_device_count()
+  # All devices of all processes (under --distributed, a mesh of one
+  # process's devices would leave the others with nothing to run).
+  num_devices = config['num_devices'] or jax.device_count()
   mesh = client_mesh(num_devices) if num_devices > 1 else None
 
   dataset = load_dataset(config['dataset'], config['data_dir'])

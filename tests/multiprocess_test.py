@@ -149,7 +149,9 @@ class MultiProcessTest(absltest.TestCase):
       self.assertEqual(json.load(f)['params_sha256'],
                        single['params_sha256'])
     self.assertEqual(sorted(os.listdir(os.path.join(
-        shared, 'checkpoints', '.integrity'))), ['1.sha256', '2.sha256'])
+        shared, 'checkpoints', '.integrity'))),
+                     ['1.ledger.json', '1.sha256', '2.ledger.json',
+                      '2.sha256'])
 
 
 if __name__ == '__main__':

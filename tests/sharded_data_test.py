@@ -189,5 +189,23 @@ class ShardedDataTest(parameterized.TestCase):
     self.assertEqual(ctx.exception.argument, 'client_data')
 
 
+  def test_setup_step_checks_its_config_and_mesh(self):
+    """The setup step refuses what the round step refuses: a mesh of
+    another size than the config's (a row within a 4-client block would
+    index a device holding 2), and strata that do not divide the clients."""
+    _needs_devices(self)
+    _, _, cohorts, method = two_architecture_horus(8)
+    slots = tuple(engine.CohortSlots(c.members, 4) for c in cohorts)
+    config = engine.RoundConfig(
+        num_clients=8, clients_per_round=8, strategy='vmap', num_devices=2,
+        sample_strata=4, client_data='sharded', cohorts=slots)
+    with self.assertRaises(SettingError) as ctx:
+      engine.make_setup_step(method, config, mesh=engine.client_mesh(4))
+    self.assertEqual(ctx.exception.argument, 'num_devices')
+    with self.assertRaises(SettingError) as ctx:
+      engine.make_setup_step(method, config._replace(sample_strata=3),
+                             mesh=engine.client_mesh(2))
+    self.assertEqual(ctx.exception.argument, 'sample_strata')
+
 if __name__ == '__main__':
   absltest.main()

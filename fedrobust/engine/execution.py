@@ -201,6 +201,12 @@ def place_clients(tree: PyTree, mesh: Mesh | None, layout: str) -> PyTree:
     spans = sorted({(index[0].start, index[0].stop) for index in
                     sharding.addressable_devices_indices_map(
                         leaf.shape).values()})
+    if not spans:
+      raise SettingError('client_data', f'process {jax.process_index()} '
+                         f'holds none of the mesh\'s {mesh.size} devices, '
+                         'so it has no client block to place; build the '
+                         'mesh over every process\'s devices (num_devices '
+                         f'= {jax.device_count()}, all of them)')
     lo, hi = spans[0][0], spans[-1][1]
     if sum(b - a for a, b in spans) != hi - lo:
       raise SettingError('client_data', 'this process\'s devices hold '

@@ -522,8 +522,13 @@ def client_view(config: RoundConfig, data: FederatedData,
 
 
 def check_mesh_for_data(config: RoundConfig, mesh: Mesh | None) -> None:
-  """Sharded data on several devices needs the mesh that splits it: off
-  the mesh a client's row within its block would index the whole array."""
+  """The mesh matches the config's device count, and sharded data on
+  several devices has the mesh that splits it: off the mesh, or on a mesh
+  of another size, a client's row within its block would index the wrong
+  rows."""
+  if mesh is not None and mesh.size != config.num_devices:
+    raise SettingError('num_devices', f'the mesh has {mesh.size} devices, '
+                       f'the config says {config.num_devices}')
   if config.block < config.num_clients and mesh is None:
     raise SettingError('client_data', f'sharded client data over '
                        f'{config.num_devices} devices needs their mesh')
@@ -554,6 +559,7 @@ def make_setup_step(method: Method, config: RoundConfig, *,
   with a setup step and one resumed after it match bitwise."""
   if method.client_setup is None:
     raise SettingError('method', f'{method.name!r} has no setup step')
+  validate_round_config(config)
   check_mesh_for_data(config, mesh)
   cohorts = config.cohort_slots()
   shared_specs = data_specs(config)
@@ -635,9 +641,6 @@ def make_round_step(method: Method, config: RoundConfig, *,
     raise SettingError('attack', f'{threat.stateful_attack.name} keeps '
                        'state across synchronous rounds of one cohort: it '
                        'runs without client delays and cohorts')
-  if mesh is not None and mesh.size != config.num_devices:
-    raise SettingError('num_devices', f'the mesh has {mesh.size} devices, '
-                       f'the config says {config.num_devices}')
   check_mesh_for_data(config, mesh)
   if (config.block < config.num_clients and threat is not None and
       threat.every_round):
