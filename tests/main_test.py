@@ -758,6 +758,24 @@ class CheckpointerTest(absltest.TestCase):
     self.assertTrue(os.path.isdir(os.path.join(directory, '.broken', '3')))
     ckpt.close()
 
+  def test_state_digest_is_the_hash_older_steps_recorded(self):
+    """The digest hashes a leaf's bytes through a view, one leaf at a time
+    (no host copies); it must equal the old whole-tree tobytes() form, or
+    every step saved before would fail its verification."""
+    import hashlib
+    import jax.numpy as jnp
+    from fedrobust.checkpoint import state_digest
+    tree = {'a': jnp.arange(6.0).reshape(2, 3).T,       # non-contiguous
+            'b': jnp.array(True), 'c': jnp.full((3,), 1.5, jnp.bfloat16),
+            'k': jax.random.key_data(jax.random.key(3)),
+            'd': np.int32(7)}
+    old = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(tree)):
+      leaf = np.asarray(leaf)
+      old.update(f'{leaf.dtype.str}{leaf.shape};'.encode())
+      old.update(np.ascontiguousarray(leaf).tobytes())
+    self.assertEqual(state_digest(tree), old.hexdigest())
+
   def test_ledger_is_saved_verified_and_retired_with_its_step(self):
     directory = self.create_tempdir().full_path
     ckpt = Checkpointer(directory, keep=2)
