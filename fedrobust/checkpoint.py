@@ -54,8 +54,9 @@ PyTree = Any
 _TRASH = '.trash'
 _BROKEN = '.broken'
 _INTEGRITY = '.integrity'
-# Bytes a restore may hold in flight beyond the restored state (GB).
-RESTORE_CONCURRENT_GB = 1
+# Bytes a restore may hold in flight beyond the restored state (GB; at
+# least the largest leaf's size, Checkpointer._restore).
+RESTORE_IN_FLIGHT_GB = 1.0
 
 
 class CheckpointError(ValueError):
@@ -86,6 +87,14 @@ def state_digest(tree: PyTree) -> str:
   return digest.hexdigest()
 
 
+def _itemsize(dtype) -> int:
+  """Bytes per element (a typed PRNG key's dtype counts its key data)."""
+  try:
+    return np.dtype(dtype).itemsize
+  except TypeError:
+    return int(getattr(dtype, 'itemsize', 0)) or 16
+
+
 def write_atomic(path: str, data: bytes) -> None:
   """Writes `data` to `path` through a fresh temporary file and a rename.
 
@@ -112,24 +121,38 @@ def write_atomic(path: str, data: bytes) -> None:
 class Checkpointer:
   """Keeps the last `keep` steps of a pytree under `directory`."""
 
-  def __init__(self, directory: str, *, keep: int = 2):
+  def __init__(self, directory: str, *, keep: int = 2,
+               restore_in_flight_gb: float = RESTORE_IN_FLIGHT_GB):
+    """restore_in_flight_gb: bytes (in GB) a restore may read ahead of the
+    state it builds; raised to just above the largest leaf, which orbax
+    reads in one piece."""
     self.directory = os.path.abspath(directory)
+    self._keep = keep
+    self._restore_bytes = int(restore_in_flight_gb * 1e9)
     if is_primary():
       os.makedirs(self.directory, exist_ok=True)
       self._empty_trash()
     barrier(f'checkpointer-open {self.directory}')
-    self._manager = ocp.CheckpointManager(
+    self._manager = self._open(self._restore_bytes)
+
+  def _open(self, restore_bytes: int) -> ocp.CheckpointManager:
+    """The orbax manager, with `restore_bytes` in flight on restore.
+
+    A restore reads each leaf into a buffer and then copies it out, so
+    with orbax's default (96 GB in flight) a state of S bytes peaks at
+    about 1.7-2 S. Limited, the leaves come in a few at a time and the
+    peak is S plus about the largest leaf: FedHAN's 1,000-client cache
+    (about 13 GB of state) resumes on a 24 GB host. Orbax refuses a leaf
+    that does not fit in the limit, so _restore raises it per state.
+    """
+    self._manager_restore_bytes = restore_bytes
+    return ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, todelete_subdir=_TRASH,
+            max_to_keep=self._keep, create=True, todelete_subdir=_TRASH,
             enable_async_checkpointing=False),
-        # A restore reads each leaf into a buffer and then copies it out,
-        # so with orbax's default (96 GB in flight) a state of S bytes
-        # peaks at about 1.7-2 S. Limited, the leaves come in a few at a
-        # time and the peak is S plus the largest leaf: FedHAN's 1,000-
-        # client cache (about 13 GB of state) resumes on a 24 GB host.
         item_handlers=ocp.StandardCheckpointHandler(
-            restore_concurrent_gb=RESTORE_CONCURRENT_GB))
+            restore_concurrent_gb=restore_bytes / 1e9))
 
   def _empty_trash(self) -> None:
     shutil.rmtree(os.path.join(self.directory, _TRASH), ignore_errors=True)
@@ -233,6 +256,12 @@ class Checkpointer:
     """(state, None) if the step restores as `like` and verifies, else
     (None, why not)."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    largest = max((int(np.prod(leaf.shape)) * _itemsize(leaf.dtype)
+                   for leaf in jax.tree.leaves(abstract)), default=0)
+    needed = max(self._restore_bytes, largest + 1)
+    if needed != self._manager_restore_bytes:
+      self._manager.close()
+      self._manager = self._open(needed)
     try:
       state = self._manager.restore(
           step, args=ocp.args.StandardRestore(abstract))
