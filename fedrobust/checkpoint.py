@@ -228,14 +228,15 @@ class Checkpointer:
       return (f'content hash {actual[:12]}... differs from the recorded '
               f'{expected[:12]}...')
     try:
-      self._read_ledger(step)
+      self.ledger(step)
     except (OSError, ValueError, KeyError, TypeError) as err:
       return f'bad ledger ({type(err).__name__}: {err})'
     return None
 
-  def _read_ledger(self, step: int) -> dict | None:
-    """The step's ledger, None if it has none; ValueError if it does not
-    match its checksum."""
+  def ledger(self, step: int) -> dict | None:
+    """The ledger saved with `step`: None when the step has none (e.g.
+    one written by an older version), ValueError if it does not match its
+    checksum (restore_latest sets such a step aside)."""
     try:
       with open(self._ledger_path(step)) as f:
         record = json.load(f)
@@ -245,12 +246,6 @@ class Checkpointer:
     if hashlib.sha256(body.encode()).hexdigest() != record['sha256']:
       raise ValueError('its content does not match its recorded sha256')
     return record['ledger']
-
-  def ledger(self, step: int) -> dict | None:
-    """The ledger saved with `step` (None when the step has none, e.g.
-    one written by an older version). Read after restore_latest, which
-    has verified it."""
-    return self._read_ledger(step)
 
   def _restore(self, step: int, like: PyTree) -> tuple[PyTree, str | None]:
     """(state, None) if the step restores as `like` and verifies, else

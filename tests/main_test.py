@@ -2,6 +2,7 @@
 
 import glob
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import numpy as np
 
 from experiments import config as config_lib
 from experiments import train
-from fedrobust.checkpoint import CheckpointError, Checkpointer
+from fedrobust.checkpoint import CheckpointError, Checkpointer, state_digest
 from fedrobust.data import DataNotFoundError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -780,9 +781,7 @@ class CheckpointerTest(absltest.TestCase):
     """The digest hashes a leaf's bytes through a view, one leaf at a time
     (no host copies); it must equal the old whole-tree tobytes() form, or
     every step saved before would fail its verification."""
-    import hashlib
-    import jax.numpy as jnp
-    from fedrobust.checkpoint import state_digest
+    jnp = jax.numpy
     tree = {'a': jnp.arange(6.0).reshape(2, 3).T,       # non-contiguous
             'b': jnp.array(True), 'c': jnp.full((3,), 1.5, jnp.bfloat16),
             'k': jax.random.key_data(jax.random.key(3)),

@@ -347,7 +347,7 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     ema = {}
     for p in ms.ema:
       if cluster_basis == 'input_update':     # A_i - A_root: [C, d_in, r]
-        basis = (get_path(new, p)['a'] - get_path(root, p)['a'][None])
+        basis = get_path(new, p)['a'] - get_path(root, p)['a'][None]
       else:
         b_new = get_path(new, p)['b']
         if cluster_basis == 'update':
