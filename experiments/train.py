@@ -1044,6 +1044,10 @@ def _run_locked(config: dict[str, Any], program: Program,
     return state
 
   template = jax.eval_shape(initial_state, fresh)
+  if replicated is not None:      # restored straight into place, no copy
+    template = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+        template)
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
                               keep=config['checkpoints_keep'])
   try:

@@ -777,6 +777,84 @@ class CheckpointerTest(absltest.TestCase):
     self.assertFalse(os.path.exists(os.path.join(directory, '.broken')))
     ckpt.close()
 
+  def test_restore_gives_runtime_owned_arrays_on_the_first_device(self):
+    """A template without shardings (jax.eval_shape) restores as jax
+    arrays on this process's first device, not NumPy: the runner's
+    device_put of a NumPy state copied it while holding it, and FedHAN's
+    12.4 GB state went past 24 GB on resume."""
+    directory = self.create_tempdir().full_path
+    state = {'w': jax.numpy.arange(8.0), 'n': jax.numpy.ones(3, np.int32)}
+    ckpt = Checkpointer(directory)
+    ckpt.save(1, state)
+    ckpt.close()
+    ckpt = Checkpointer(directory)
+    _, restored = ckpt.restore_latest(jax.eval_shape(lambda: state))
+    ckpt.close()
+    for key, leaf in restored.items():
+      self.assertIsInstance(leaf, jax.Array, key)
+      self.assertEqual(leaf.devices(), {jax.local_devices()[0]}, key)
+      np.testing.assert_array_equal(leaf, state[key])
+
+  def test_steps_saved_by_the_earlier_handler_still_restore(self):
+    """Steps written before session 31 (orbax's StandardCheckpointHandler,
+    zstd-compressed) must resume: runs in progress hold them."""
+    import orbax.checkpoint as ocp   # pylint: disable=g-import-not-at-top
+    directory = self.create_tempdir().full_path
+    state = {'w': jax.numpy.arange(6.0).reshape(2, 3),
+             'k': jax.numpy.array([3, 1], np.uint32)}
+    manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(
+            create=True, enable_async_checkpointing=False),
+        item_handlers=ocp.StandardCheckpointHandler())
+    manager.save(4, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    manager.close()
+    os.makedirs(os.path.join(directory, '.integrity'))
+    with open(os.path.join(directory, '.integrity', '4.sha256'), 'w') as f:
+      f.write(state_digest(state))
+    ckpt = Checkpointer(directory)
+    step, restored = ckpt.restore_latest(jax.eval_shape(lambda: state))
+    ckpt.close()
+    self.assertEqual(step, 4)
+    self.assertEqual(state_digest(restored), state_digest(state))
+
+  def test_saves_are_uncompressed_unless_asked(self):
+    """Compression made a save peak at about 1.76x the state (orbax
+    compresses a leaf into a buffer first); it is opt-in."""
+    sizes = {}
+    for compress in (False, True):
+      directory = self.create_tempdir().full_path
+      ckpt = Checkpointer(directory, compress=compress)
+      ckpt.save(1, {'zeros': jax.numpy.zeros(1 << 20, np.float32)})  # 4 MB
+      ckpt.close()
+      sizes[compress] = sum(
+          os.path.getsize(os.path.join(root, name))
+          for root, _, names in os.walk(os.path.join(directory, '1'))
+          for name in names)
+    self.assertGreater(sizes[False], 4 << 20)
+    self.assertLess(sizes[True], 1 << 20)
+
+  def test_saves_give_their_heap_back(self):
+    """Orbax's compressed writes leave freed buffers in the C heap; before
+    the trim each save of a 1 GB state kept 0.69 GB, and a long FedHAN
+    run crept by about 1 GB a save."""
+    def rss_mb():
+      with open('/proc/self/status') as f:
+        for line in f:
+          if line.startswith('VmRSS'):
+            return int(line.split()[1]) / 1024
+    if not os.path.exists('/proc/self/status'):
+      self.skipTest('needs /proc (Linux)')
+    state = {'w': jax.numpy.asarray(np.random.default_rng(0).normal(
+        size=1 << 26).astype(np.float32))}                       # 256 MB
+    ckpt = Checkpointer(self.create_tempdir().full_path, compress=True)
+    ckpt.save(1, state)
+    before = rss_mb()
+    ckpt.save(2, state)
+    ckpt.save(3, state)
+    ckpt.close()
+    self.assertLess(rss_mb() - before, 64)
+
   def test_state_digest_is_the_hash_older_steps_recorded(self):
     """The digest hashes a leaf's bytes through a view, one leaf at a time
     (no host copies); it must equal the old whole-tree tobytes() form, or
