@@ -254,7 +254,8 @@ CORE: tuple[Setting, ...] = (
       'with the same strata.', choices=CLIENT_DATA),
     S('cpu_devices', 0, 'XLA devices the host CPU is split into when '
       'running on CPU (0: auto, up to one per available core: the fewest '
-      'that give the shortest round); clients on different devices train '
+      'that give the shortest round, and with sharded client data a '
+      'divisor of --sample_strata); clients on different devices train '
       'side by side.'),
 )
 

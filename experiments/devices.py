@@ -79,27 +79,39 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def auto_cpu_devices(clients_per_round: int, cores: int | None = None) -> int:
+def auto_cpu_devices(clients_per_round: int, cores: int | None = None,
+                     strata: int = 1) -> int:
   """The fewest CPU devices (at most one per core) for the shortest round.
 
   With one device per core, the busiest device trains ceil(C / cores)
   clients. Fewer devices reach the same per-device load with less slot
   padding (a padded slot still trains): C = 20 on 16 cores gives 10
   devices of 2 clients, not 16 devices holding 12 padded slots.
+
+  strata: sharded client data needs the device count to divide the
+  sampling strata (RoundConfig.sample_strata); the count is then the
+  largest divisor of `strata` not above the one above (C = 20, 4 strata
+  on 16 cores: 4 devices, where 10 would be refused).
   """
   cores = max(1, available_cores() if cores is None else cores)
   clients = max(1, clients_per_round)
   per_device = -(-clients // cores)
-  return -(-clients // per_device)
+  count = -(-clients // per_device)
+  if strata > 1:
+    count = max(d for d in range(1, count + 1) if strata % d == 0)
+  return count
 
 
-def configure_cpu_devices(cpu_devices: int, clients_per_round: int) -> int:
+def configure_cpu_devices(cpu_devices: int, clients_per_round: int,
+                          strata: int = 1) -> int:
   """Sets JAX's CPU device count (and relax_collective_timeout); call
   before any JAX computation.
 
   Args:
     cpu_devices: the --cpu_devices flag; 0 picks auto_cpu_devices.
     clients_per_round: C, the clients each round trains.
+    strata: the sampling strata the device count must divide (sharded
+      client data), else 1; auto mode only.
 
   Returns:
     The CPU device count JAX will use. An explicit
@@ -117,7 +129,7 @@ def configure_cpu_devices(cpu_devices: int, clients_per_round: int) -> int:
   for flag in reversed(os.environ.get('XLA_FLAGS', '').split()):
     if flag.startswith(_XLA_FLAG + '='):    # XLA reads the last one
       return int(flag.split('=', 1)[1])
-  wanted = cpu_devices or auto_cpu_devices(clients_per_round)
+  wanted = cpu_devices or auto_cpu_devices(clients_per_round, strata=strata)
   if jax.config.jax_num_cpu_devices == wanted:
     return wanted
   try:

@@ -941,7 +941,10 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
   config = resolve(config)
   validate(config)
   # Before anything starts JAX's CPU backend (a no-op once it has).
-  configure_cpu_devices(config['cpu_devices'], config['clients_per_round'])
+  configure_cpu_devices(
+      config['cpu_devices'], config['clients_per_round'],
+      strata=(config['sample_strata'] if config['client_data'] == 'sharded'
+              else 1))
   program = build(config)
   workdir = config['workdir']
   if os.path.lexists(workdir) and not os.path.isdir(workdir):

@@ -26,6 +26,15 @@ class CpuDevicesTest(absltest.TestCase):
     self.assertEqual(devices.auto_cpu_devices(100, cores=16), 15)
     self.assertGreaterEqual(devices.available_cores(), 1)
 
+  def test_auto_divides_the_strata_of_sharded_data(self):
+    # Sharded client data needs the device count to divide the strata:
+    # 10 devices for C = 20 on 16 cores would be refused with 4 strata.
+    self.assertEqual(devices.auto_cpu_devices(20, cores=16, strata=4), 4)
+    self.assertEqual(devices.auto_cpu_devices(12, cores=16, strata=6), 6)
+    self.assertEqual(devices.auto_cpu_devices(8, cores=2, strata=4), 2)
+    self.assertEqual(devices.auto_cpu_devices(9, cores=2, strata=3), 1)
+    self.assertEqual(devices.auto_cpu_devices(20, cores=16, strata=1), 10)
+
   def test_negative_count_names_the_flag(self):
     with self.assertRaisesRegex(ValueError, '--cpu_devices must be >= 0'):
       devices.configure_cpu_devices(-1, 10)
