@@ -8,6 +8,7 @@ from fedrobust.engine.execution import (CLIENT_DATA, STRATEGIES, client_mesh,
 from fedrobust.local import (LocalConfig, classification_loss,
                                     make_batch_plan, sgd, train_steps)
 from fedrobust.engine.round import (CohortSlots, RoundConfig, Threat,
+                                    distinct_buffers,
                                     init_server_state, make_round_step,
                                     make_setup_step, sample_clients,
                                     sample_cohort)

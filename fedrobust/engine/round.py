@@ -352,6 +352,35 @@ def device_blocked_members(slots: CohortSlots, config: RoundConfig
   return ids, mask, order
 
 
+def _buffer(leaf) -> int | None:
+  try:
+    return leaf.unsafe_buffer_pointer()
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def distinct_buffers(tree: Any, held: Any = ()) -> Any:
+  """`tree` with every leaf copied that repeats an earlier leaf's buffer
+  or one of `held`'s (arrays the caller keeps, which a donation of the
+  result must not delete).
+
+  Only those are copied: copying every leaf held the state twice, and
+  FedHAN's 1,000-client state (12.4 GB) peaked at 17.2 GB at start-up.
+  A leaf whose buffer cannot be read (several shards, not a jax array)
+  is copied to be safe.
+  """
+  seen = {b for b in map(_buffer, jax.tree.leaves(held)) if b is not None}
+
+  def once(leaf):
+    pointer = _buffer(leaf)
+    if pointer is None or pointer in seen:
+      return jnp.copy(leaf)
+    seen.add(pointer)
+    return leaf
+
+  return jax.tree.map(once, tree)
+
+
 def init_server_state(method: Method, params: tuple[Params, ...],
                       num_clients: int, seed: int, *,
                       config: RoundConfig | None = None,
@@ -375,10 +404,10 @@ def init_server_state(method: Method, params: tuple[Params, ...],
   global_params, method_state = method.init(params, num_clients, init_key)
   # A method state may hold the params themselves (rules that track the
   # global model), and cohorts' trees may share a buffer (aligned shared
-  # layers); copy both so no buffer appears twice when the state is
-  # donated to the round.
-  method_state = jax.tree.map(jnp.copy, method_state)
-  global_params = jax.tree.map(jnp.copy, global_params)
+  # layers); no buffer may appear twice when the state is donated to the
+  # round, nor be one of the caller's params, so those are copied.
+  global_params, method_state = distinct_buffers(
+      (global_params, method_state), held=params)
   state = ServerState(round=jnp.zeros((), jnp.int32),
                       params=tuple(global_params),
                       method_state=method_state,
