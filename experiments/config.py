@@ -219,6 +219,10 @@ CORE: tuple[Setting, ...] = (
     S('checkpoint_every', 5, 'Checkpoint every this many rounds (and always '
       'at the end).'),
     S('checkpoints_keep', 2, 'Checkpoints kept on disk.'),
+    S('checkpoint_compress', False, 'zstd-compress new checkpoints: smaller '
+      'files (much smaller for a state of mostly zeros, such as a young '
+      'FedHAN cache), but a save then holds about 1.8x the state in '
+      'memory; either kind restores.'),
     S('seed', 0, 'Seed of the partition, sampling and init.'),
     S('workdir', None, 'Run directory (default: '
       'runs/<method>_<dataset>_<model>_s<seed>).'),
@@ -262,7 +266,8 @@ CORE: tuple[Setting, ...] = (
 # Changing these on resume is not a config change.
 RESUMABLE_KEYS = frozenset({
     'num_rounds', 'eval_every', 'eval_batch_size', 'checkpoint_every',
-    'checkpoints_keep', 'workdir', 'overwrite', 'force_overwrite',
+    'checkpoints_keep', 'checkpoint_compress', 'workdir', 'overwrite',
+    'force_overwrite',
     'on_divergence', 'log_clients', 'unseen_epochs'})
 # Changing these on resume is allowed (same math, other program), but the
 # final parameters then match an uninterrupted run only within float

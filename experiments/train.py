@@ -1052,7 +1052,8 @@ def _run_locked(config: dict[str, Any], program: Program,
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
         template)
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
-                              keep=config['checkpoints_keep'])
+                              keep=config['checkpoints_keep'],
+                              compress=config['checkpoint_compress'])
   try:
     restored = checkpointer.restore_latest(
         template, legacy=legacy_server_state(template))
