@@ -44,8 +44,8 @@ from experiments.devices import configure_cpu_devices
 from experiments.workdir import ConfigMismatchError, WorkdirError
 from experiments.threat import build_threat, typical_client_steps
 from fedrobust import adapt, aggregators
-from fedrobust.checkpoint import (CheckpointError, Checkpointer, barrier,
-                                  is_primary)
+from fedrobust.checkpoint import (CheckpointError, CheckpointSpaceError,
+                                  Checkpointer, barrier, is_primary)
 from fedrobust.cohort import Cohort, split_roles
 from fedrobust.data import (DEFAULT_FASHION_MNIST_DIR, DataNotFoundError,
                             build_federated_setup, hold_out, load_dataset,
@@ -1210,8 +1210,15 @@ def _run_locked(config: dict[str, Any], program: Program,
     if stop:
       break                           # the diverged state is not saved
     if rnd % config['checkpoint_every'] == 0 or rnd == num_rounds:
-      checkpointer.save(rnd, state, ledger={
-          'detection_totals': detection_totals, 'skipped_rounds': skipped})
+      try:
+        checkpointer.save(rnd, state, ledger={
+            'detection_totals': detection_totals, 'skipped_rounds': skipped})
+      except CheckpointSpaceError as err:
+        raise WorkdirError(
+            f'--workdir={workdir}: round {rnd} could not be checkpointed: '
+            f'{err}. Free space, lower --checkpoints_keep, or pass '
+            '--checkpoint_compress; rerun the same command to resume from '
+            'the last step') from err
   checkpointer.close()
 
   final_finite = bool(jax.device_get(all_finite(state.params)))

@@ -2,7 +2,9 @@
 
 Saves: orbax writes each step into a temporary directory and renames it
 into place when complete, so a kill mid-save leaves no step that looks
-finished. After the step is in place, a content hash of the whole state
+finished; such a temporary directory is removed at the next start. A
+save that would not fit on the disk is refused before it writes
+anything (uncompressed, the state's size is known). After the step is in place, a content hash of the whole state
 (every leaf's dtype, shape and bytes, in tree order) is written beside it
 as `.integrity/<step>.sha256`, atomically. A kill between the two leaves a
 step without a hash, which counts as unverified.
@@ -61,6 +63,7 @@ PyTree = Any
 _TRASH = '.trash'
 _BROKEN = '.broken'
 _INTEGRITY = '.integrity'
+_UNFINISHED = '.orbax-checkpoint-tmp'   # orbax's name for a step in writing
 # Bytes a restore may hold in flight beyond the restored state (GB; at
 # least the largest leaf's size, Checkpointer._restore).
 RESTORE_IN_FLIGHT_GB = 1.0
@@ -68,6 +71,10 @@ RESTORE_IN_FLIGHT_GB = 1.0
 
 class CheckpointError(ValueError):
   """Checkpoints exist but none restores into the expected state."""
+
+
+class CheckpointSpaceError(OSError):
+  """A step would not fit on its disk; nothing of it was written."""
 
 
 def is_primary() -> bool:
@@ -207,7 +214,14 @@ class Checkpointer:
             restore_concurrent_gb=restore_bytes / 1e9))
 
   def _empty_trash(self) -> None:
+    """Empties the trash, and removes the temporary directories of saves
+    that never finished (killed, or out of disk). Orbax's own clean-up of
+    those runs in a background thread; this one is done when it returns.
+    """
     shutil.rmtree(os.path.join(self.directory, _TRASH), ignore_errors=True)
+    for name in os.listdir(self.directory):
+      if _UNFINISHED in name:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def _hash_path(self, step: int) -> str:
     return os.path.join(self.directory, _INTEGRITY, f'{step}.sha256')
@@ -221,7 +235,25 @@ class Checkpointer:
   def save(self, step: int, state: PyTree, ledger: dict | None = None
            ) -> None:
     """Saves `state` as `step`, and `ledger` (a JSON-serialisable dict of
-    host-side totals) beside it when given."""
+    host-side totals) beside it when given.
+
+    Raises:
+      CheckpointSpaceError: uncompressed, the state is larger than the
+        disk's free space (checked first: a save that fills the disk
+        fails halfway and leaves a temporary directory). Older steps are
+        untouched.
+    """
+    if not self._compress:
+      needed = sum(int(np.prod(np.shape(leaf))) * _itemsize(
+          getattr(leaf, 'dtype', np.asarray(leaf).dtype))
+                   for leaf in jax.tree.leaves(state))
+      free = shutil.disk_usage(self.directory).free
+      if needed > free:
+        raise CheckpointSpaceError(
+            f'step {step} needs about {needed / 1e9:.2f} GB (the state, '
+            f'uncompressed) and {self.directory} has {free / 1e9:.2f} GB '
+            'free; free space there, keep fewer steps (keep), or compress '
+            'them (compress=True)')
     # No OCDBT file-size target: with orbax's default (2 GiB) a larger leaf
     # is cut into chunks along its largest axis, which copies it (measured:
     # +3.25 GB saving FedHAN's [1000, 1663370] cache leaf; +0 without).

@@ -726,6 +726,25 @@ class EndToEndTest(IdxDataTestCase):
     self.assertIn('--method', proc.stderr)
     self.assertIn('fedavg', proc.stderr)
 
+  def test_a_full_disk_stops_the_run_naming_the_flags(self):
+    config = base_config(self.data_dir, self.create_tempdir().full_path,
+                         num_rounds=2, eval_every=2, checkpoint_every=1)
+    real = shutil.disk_usage
+
+    def one_step_fits(path):      # room for the first step only
+      usage = real(path)
+      full = glob.glob(os.path.join(config['workdir'], 'checkpoints', '1'))
+      return usage._replace(free=0) if full else usage
+
+    with mock.patch.object(shutil, 'disk_usage', one_step_fits):
+      with self.assertRaisesRegex(
+          train.WorkdirError, r'round 2 could not be checkpointed.*'
+          r'--checkpoints_keep.*--checkpoint_compress'):
+        train.run(config)
+    ckpt = Checkpointer(os.path.join(config['workdir'], 'checkpoints'))
+    self.assertEqual(ckpt.steps(), [1])         # finished work is kept
+    ckpt.close()
+
   def test_kill_dash_nine_then_resume_is_bitwise_exact(self):
     config = base_config(self.data_dir, self.create_tempdir().full_path,
                          num_rounds=40, eval_every=20, local_epochs=2)
@@ -854,6 +873,34 @@ class CheckpointerTest(absltest.TestCase):
     ckpt.save(3, state)
     ckpt.close()
     self.assertLess(rss_mb() - before, 64)
+
+  def test_a_save_that_would_not_fit_is_refused_before_writing(self):
+    """The first FedHAN Table 1 run of session 31 filled the disk halfway
+    through a save (orbax's RESOURCE_EXHAUSTED) and left a 3.1 GB
+    temporary directory behind."""
+    from fedrobust import checkpoint   # pylint: disable=g-import-not-at-top
+    directory = self.create_tempdir().full_path
+    state = {'w': jax.numpy.arange(1000.0)}                     # 4,000 B
+    ckpt = Checkpointer(directory)
+    ckpt.save(1, state)
+    usage = shutil.disk_usage(directory)
+    with mock.patch.object(checkpoint.shutil, 'disk_usage',
+                           return_value=usage._replace(free=3999)):
+      with self.assertRaisesRegex(checkpoint.CheckpointSpaceError,
+                                  r'step 2 needs about 0\.00 GB.*keep fewer'):
+        ckpt.save(2, {'w': state['w'] * 2})
+    self.assertEqual(ckpt.steps(), [1])
+    self.assertFalse([n for n in os.listdir(directory) if 'tmp' in n])
+    ckpt.close()
+    # A temporary directory left by a failed or killed save is removed at
+    # the next start.
+    os.makedirs(os.path.join(directory, '2.orbax-checkpoint-tmp', 'x'))
+    ckpt = Checkpointer(directory)
+    self.assertFalse([n for n in os.listdir(directory) if 'tmp' in n])
+    step, restored = ckpt.restore_latest(state)
+    ckpt.close()
+    self.assertEqual(step, 1)
+    np.testing.assert_array_equal(restored['w'], state['w'])
 
   def test_state_digest_is_the_hash_older_steps_recorded(self):
     """The digest hashes a leaf's bytes through a view, one leaf at a time
