@@ -4,10 +4,11 @@ Saves: orbax writes each step into a temporary directory and renames it
 into place when complete, so a kill mid-save leaves no step that looks
 finished; such a temporary directory is removed at the next start. A
 save that would not fit on the disk is refused before it writes
-anything (uncompressed, the state's size is known). After the step is in place, a content hash of the whole state
-(every leaf's dtype, shape and bytes, in tree order) is written beside it
-as `.integrity/<step>.sha256`, atomically. A kill between the two leaves a
-step without a hash, which counts as unverified.
+anything (uncompressed, the state's size is known). After the step is in
+place, a content hash of the whole state (every leaf's dtype, shape and
+bytes, in tree order) is written beside it as `.integrity/<step>.sha256`,
+atomically. A kill between the two leaves a step without a hash, which
+counts as unverified.
 
 Deletes: orbax's default deletion removes an old step's files in place; a
 kill in the middle leaves a half-deleted step that is still listed and then
@@ -124,6 +125,12 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
   except TypeError:
     return int(getattr(dtype, 'itemsize', 0)) or 16
+
+
+def _nbytes(leaf) -> int:
+  """A leaf's size in bytes, from its shape and dtype (no host copy)."""
+  dtype = leaf.dtype if hasattr(leaf, 'dtype') else np.asarray(leaf).dtype
+  return int(np.prod(np.shape(leaf))) * _itemsize(dtype)
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -244,9 +251,7 @@ class Checkpointer:
         untouched.
     """
     if not self._compress:
-      needed = sum(int(np.prod(np.shape(leaf))) * _itemsize(
-          getattr(leaf, 'dtype', np.asarray(leaf).dtype))
-                   for leaf in jax.tree.leaves(state))
+      needed = sum(_nbytes(leaf) for leaf in jax.tree.leaves(state))
       free = shutil.disk_usage(self.directory).free
       if needed > free:
         raise CheckpointSpaceError(
@@ -352,8 +357,7 @@ class Checkpointer:
     process past 24 GB (OOM).
     """
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    largest = max((int(np.prod(leaf.shape)) * _itemsize(leaf.dtype)
-                   for leaf in jax.tree.leaves(abstract)), default=0)
+    largest = max(map(_nbytes, jax.tree.leaves(abstract)), default=0)
     needed = max(self._restore_bytes, largest + 1)
     if needed != self._manager_restore_bytes:
       self._manager.close()
