@@ -16,10 +16,12 @@ from unittest import mock
 from absl.testing import absltest
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from experiments import config as config_lib
 from experiments import train
-from fedrobust.checkpoint import CheckpointError, Checkpointer, state_digest
+from fedrobust.checkpoint import (CheckpointError, Checkpointer,
+                                  CheckpointSpaceError, state_digest)
 from fedrobust.data import DataNotFoundError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -817,7 +819,6 @@ class CheckpointerTest(absltest.TestCase):
   def test_steps_saved_by_the_earlier_handler_still_restore(self):
     """Steps written before session 31 (orbax's StandardCheckpointHandler,
     zstd-compressed) must resume: runs in progress hold them."""
-    import orbax.checkpoint as ocp   # pylint: disable=g-import-not-at-top
     directory = self.create_tempdir().full_path
     state = {'w': jax.numpy.arange(6.0).reshape(2, 3),
              'k': jax.numpy.array([3, 1], np.uint32)}
@@ -878,15 +879,14 @@ class CheckpointerTest(absltest.TestCase):
     """The first FedHAN Table 1 run of session 31 filled the disk halfway
     through a save (orbax's RESOURCE_EXHAUSTED) and left a 3.1 GB
     temporary directory behind."""
-    from fedrobust import checkpoint   # pylint: disable=g-import-not-at-top
     directory = self.create_tempdir().full_path
     state = {'w': jax.numpy.arange(1000.0)}                     # 4,000 B
     ckpt = Checkpointer(directory)
     ckpt.save(1, state)
     usage = shutil.disk_usage(directory)
-    with mock.patch.object(checkpoint.shutil, 'disk_usage',
+    with mock.patch.object(shutil, 'disk_usage',
                            return_value=usage._replace(free=3999)):
-      with self.assertRaisesRegex(checkpoint.CheckpointSpaceError,
+      with self.assertRaisesRegex(CheckpointSpaceError,
                                   r'step 2 needs about 0\.00 GB.*keep fewer'):
         ckpt.save(2, {'w': state['w'] * 2})
     self.assertEqual(ckpt.steps(), [1])
