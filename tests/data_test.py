@@ -439,6 +439,65 @@ def _write_idx_dir(directory, *, num_train=5, num_test=3, seed=0,
   return arrays
 
 
+class RecordingSource:
+  """An example array that records which rows were read from it."""
+
+  def __init__(self, array):
+    self.array = array
+    self.shape, self.dtype = array.shape, array.dtype
+    self.read = set()
+
+  def __getitem__(self, rows):
+    self.read.update(np.asarray(rows).ravel().tolist())
+    return self.array[rows]
+
+
+class ClientRowsTest(absltest.TestCase):
+  """stack_clients' lazy x: the padded stack, built one block at a time."""
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(0)
+    self.x = rng.integers(1, 256, (30, 4, 4, 1)).astype(np.uint8)
+    self.y = rng.integers(0, 10, 30)
+    self.parts = [np.array([3, 7, 8]), np.array([], np.int64),
+                  np.array([0, 1, 2, 4, 5]), np.array([29]),
+                  np.array([10, 11, 12, 13]), np.array([20, 21])]
+    # The padded stack written out by hand.
+    self.full = np.zeros((6, 5, 4, 4, 1), np.uint8)
+    for k, p in enumerate(self.parts):
+      self.full[k, :len(p)] = self.x[p]
+
+  def test_is_the_zero_padded_stack(self):
+    data = federated.stack_clients(self.x, self.y, self.parts)
+    self.assertIsInstance(data.x, federated.ClientRows)
+    self.assertEqual(data.x.shape, (6, 5, 4, 4, 1))
+    self.assertEqual(data.x.dtype, np.uint8)
+    np.testing.assert_array_equal(np.asarray(data.x), self.full)
+    np.testing.assert_array_equal(data.count, [3, 0, 5, 1, 4, 2])
+    np.testing.assert_array_equal(data.y[2], self.y[[0, 1, 2, 4, 5]])
+    self.assertEqual(data.y[1].sum(), 0)
+    # Indexing behaves as on the full array.
+    np.testing.assert_array_equal(data.x[2, :3], self.full[2, :3])
+    np.testing.assert_array_equal(data.x[-1], self.full[-1])
+    np.testing.assert_array_equal(data.x[1:4], self.full[1:4])
+    np.testing.assert_array_equal(data.x[::2], self.full[::2])
+    sub = data.x[np.array([4, 0])]
+    self.assertIsInstance(sub, federated.ClientRows)
+    np.testing.assert_array_equal(np.asarray(sub), self.full[[4, 0]])
+
+  def test_a_block_reads_only_its_clients_rows(self):
+    source = RecordingSource(self.x)
+    rows = federated.ClientRows(source, self.parts, 5)
+    np.testing.assert_array_equal(rows.block(2, 4), self.full[2:4])
+    self.assertEqual(source.read, {0, 1, 2, 4, 5, 29})
+    source.read.clear()
+    rows[np.array([1, 5])].block(0, 2)
+    self.assertEqual(source.read, {20, 21})
+    with self.assertRaisesRegex(IndexError, r'\[4, 7\)'):
+      rows.block(4, 7)
+
+
 class IdxTest(parameterized.TestCase):
 
   @parameterized.named_parameters(

@@ -100,11 +100,12 @@ class MultiProcessTest(absltest.TestCase):
       self.assertEqual(part['params_sha256'], single['params_sha256'])
 
   def test_process_local_client_data(self):
-    """client_data='sharded': each process places only its block of the
-    clients (rows 0-3 and 4-7), with every other row of its host arrays
-    garbled, and the two compute the single process's round bit for bit;
-    that round also equals the one on replicated data with the same
-    strata."""
+    """client_data='sharded': each process builds and places only its
+    block of the clients (rows 0-3 and 4-7): it reads exactly its clients'
+    examples from the source, with every other row of its label and count
+    arrays garbled, and the two compute the single process's round bit
+    for bit; that round also equals the one on replicated data with the
+    same strata."""
     tmp, data_dir = self._data()
     sharded = json.dumps({'client_data': 'sharded', 'sample_strata': 2})
     parts = self._two_processes(tmp, data_dir, 'local',
@@ -116,6 +117,12 @@ class MultiProcessTest(absltest.TestCase):
         json.dumps({'sample_strata': 2})))
     self.assertEqual([p['data_rows'] for p in parts], [[0, 4], [4, 8]])
     self.assertEqual(single['data_rows'], [0, 8])
+    for part in parts:
+      self.assertNotEmpty(part['block_examples'])
+      self.assertEqual(part['examples_read'], part['block_examples'])
+    self.assertEmpty(set(parts[0]['examples_read']) &
+                     set(parts[1]['examples_read']))
+    self.assertEqual(single['examples_read'], single['block_examples'])
     self.assertEqual(single['rounds'][0]['clients_trained'], 6.0)
     self.assertEqual(single['rounds'], replicated['rounds'])
     self.assertEqual(single['params_sha256'], replicated['params_sha256'])

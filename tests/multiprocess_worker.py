@@ -11,7 +11,8 @@ of the test below, places the data and state replicated on a NUM_DEVICES
 mesh spanning every process's devices, runs ROUNDS compiled rounds, and
 writes each round's metrics and the final global parameters' sha256 (as
 seen by this process) to OUT_JSON. With client_data 'sharded' (an
-override) each process places only its own devices' block of clients. NUM_DEVICES >= 2 (the mesh is the
+override) each process builds and places only its own devices' block of
+clients, and reports which examples it read. NUM_DEVICES >= 2 (the mesh is the
 runner's, which has none on one device). $FEDROBUST_MP_OVERRIDES, a JSON
 object, overrides CONFIG's settings (e.g. {"method": "sdfc", ...}).
 
@@ -23,6 +24,8 @@ there) and writes its rounds_completed and params sha256 instead.
 import json
 import os
 import sys
+
+import numpy as np
 
 if __package__ in (None, ''):   # run as a script: make the repo importable
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
@@ -38,6 +41,18 @@ CONFIG = dict(
     attack='lie', malicious_fraction=0.25, seed=3)
 
 
+class _Recording:
+  """An example array that records which rows are read from it."""
+
+  def __init__(self, array):
+    self.array, self.shape, self.dtype = array, array.shape, array.dtype
+    self.read = set()
+
+  def __getitem__(self, rows):
+    self.read.update(int(r) for r in np.asarray(rows).ravel())
+    return self.array[rows]
+
+
 def main(argv):
   out_path, data_dir, num_devices = argv[1], argv[2], int(argv[3])
   import jax  # pylint: disable=g-import-not-at-top
@@ -48,11 +63,11 @@ def main(argv):
                                process_id=int(argv[6]))
   # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp
-  import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
   from experiments import config as config_lib
   from experiments import train
   from fedrobust.engine import round as round_lib
+  from fedrobust.data import ClientRows
   from fedrobust.engine.execution import place_clients
   # pylint: enable=g-import-not-at-top
 
@@ -75,8 +90,9 @@ def main(argv):
   rows = [0, config['num_clients']]
   if config['client_data'] == 'sharded':
     # This process's block of clients; with $FEDROBUST_MP_GARBLE every
-    # other row of the host arrays is overwritten first, so a result equal
-    # to the single process's shows that no process read another's rows.
+    # other row of the label and count arrays is overwritten first, so a
+    # result equal to the single process's shows that no process read
+    # another's rows (the images: examples_read below).
     spans = [index[0] for index in NamedSharding(
         program.mesh, PartitionSpec('clients')).addressable_devices_indices_map(
             host.x.shape).values()]
@@ -84,10 +100,12 @@ def main(argv):
     if os.environ.get('FEDROBUST_MP_GARBLE'):
       other = np.ones(host.x.shape[0], bool)
       other[rows[0]:rows[1]] = False
-      host = host._replace(x=np.where(other[:, None, None, None, None], 255,
-                                      host.x).astype(host.x.dtype),
-                           y=np.where(other[:, None], 0, host.y),
+      host = host._replace(y=np.where(other[:, None], 0, host.y),
                            count=np.where(other, 1, host.count))
+  # The images stay lazy (data.ClientRows); record which examples the
+  # placement reads from the source.
+  host = host._replace(x=ClientRows(_Recording(host.x.source),
+                                    host.x.parts, host.x.n))
   data = place_clients(host, program.mesh, config['client_data'])
   server_data = put(program.server_data)
   state = put(round_lib.init_server_state(
@@ -109,6 +127,9 @@ def main(argv):
                'local_devices': jax.local_device_count(),
                'rounds': rounds,
                'data_rows': rows,
+               'examples_read': sorted(host.x.source.read),
+               'block_examples': sorted(np.concatenate(
+                   host.x.parts[rows[0]:rows[1]]).tolist()),
                'params_sha256': train.params_sha256(state.params)}, f)
 
 

@@ -9,9 +9,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from fedrobust import engine
+from fedrobust.data import federated
 from fedrobust.engine import execution
 from fedrobust.errors import SettingError
 
+from tests.data_test import RecordingSource
 from tests.engine_test import fedavg_method, linear_model, toy_data
 from tests.horus_test import two_architecture_horus
 
@@ -99,6 +101,34 @@ class StrataSampleTest(absltest.TestCase):
     with self.assertRaises(SettingError) as ctx:
       execution.place_clients(data, engine.client_mesh(4), 'sharded')
     self.assertEqual(ctx.exception.argument, 'client_data')
+
+
+class LazyPlacementTest(absltest.TestCase):
+
+  def test_each_device_block_is_built_from_its_own_rows(self):
+    """A lazy ClientRows leaf placed over 4 devices: each device gets its
+    2 clients' rows, equal to placing the full array, and a block never
+    reads past its clients (the recording source is asked once per
+    device)."""
+    _needs_devices(self)
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (40, 3)).astype(np.uint8)
+    parts = [np.arange(5 * k, 5 * k + 1 + k % 4) for k in range(8)]
+    source = RecordingSource(x)
+    calls = []
+    rows = federated.ClientRows(source, parts, 4)
+    block = rows.block
+    rows.block = lambda lo, hi: calls.append((lo, hi)) or block(lo, hi)
+    mesh = engine.client_mesh(4)
+    placed = execution.place_clients(rows, mesh, 'sharded')
+    self.assertEqual(sorted(calls), [(0, 2), (2, 4), (4, 6), (6, 8)])
+    self.assertEqual(source.read, set(np.concatenate(parts).tolist()))
+    full = np.asarray(federated.ClientRows(x, parts, 4))
+    for shard in placed.addressable_shards:
+      lo = shard.index[0].start
+      np.testing.assert_array_equal(np.asarray(shard.data), full[lo:lo + 2])
+    chex.assert_trees_all_equal(
+        np.asarray(execution.place_clients(rows, mesh, 'replicated')), full)
 
 
 class ShardedDataTest(parameterized.TestCase):

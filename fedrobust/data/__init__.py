@@ -1,6 +1,6 @@
 """Data: sources, server/client splits, partitioners, fixed-shape stacking."""
 
-from fedrobust.data.federated import (EvalSet, FederatedSetup,
+from fedrobust.data.federated import (ClientRows, EvalSet, FederatedSetup,
                                       build_federated_setup, hold_out,
                                       select_clients, stack_clients,
                                       stack_eval_sets, subsample,

@@ -30,7 +30,8 @@ class EvalSet(NamedTuple):
 
 class FederatedSetup(NamedTuple):
   """Everything a run needs from its data, as host arrays."""
-  train: FederatedData      # numpy leaves: x [K, N, ...], y [K, N], count [K]
+  # x a lazy ClientRows [K, N, ...]; y [K, N] and count [K] numpy.
+  train: FederatedData
   local_test: EvalSet       # each client's local test split, [K, T, B, ...]
   test: EvalSet             # the global test set, [T, B, ...]
   validation_x: np.ndarray  # clean server validation set U, uint8[V, ...]
@@ -45,26 +46,90 @@ class FederatedSetup(NamedTuple):
   client_groups: np.ndarray | None = None
 
 
-def stack_clients(x: np.ndarray, y: np.ndarray,
-                  parts: list[np.ndarray]) -> FederatedData:
+class ClientRows:
+  """Clients' examples as a lazy [K, N, ...] array, padded with zeros to N.
+
+  Holds only the source (any array that takes an index array: a numpy
+  array, a memmap, a random-access reader) and each client's row indices
+  into it. Rows are gathered when asked for: `block(lo, hi)` builds
+  clients lo .. hi - 1 only, so a process that places one block of clients
+  on its devices (engine.place_clients) never builds the others', and no
+  padded [K, N, ...] copy outlives the placement. Anything else (numpy's
+  `__array__`, `jnp.asarray`, indexing) behaves as the full array;
+  indexing the client axis with an integer array keeps it lazy
+  (select_clients, hold_out).
+  """
+
+  def __init__(self, source, parts: list[np.ndarray], n: int):
+    self.source = source
+    self.parts = [np.asarray(p, np.int64) for p in parts]
+    self.n = int(n)
+    self.shape = (len(self.parts), self.n, *source.shape[1:])
+    self.dtype = np.dtype(source.dtype)
+    self.ndim = len(self.shape)
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * self.dtype.itemsize
+
+  def block(self, lo: int, hi: int) -> np.ndarray:
+    """Clients lo .. hi - 1 as an array [hi - lo, N, ...]."""
+    if not 0 <= lo <= hi <= len(self):
+      raise IndexError(f'client block [{lo}, {hi}) is outside the '
+                       f'{len(self)} clients')
+    out = np.zeros((hi - lo, *self.shape[1:]), self.dtype)
+    for k in range(lo, hi):
+      p = self.parts[k]
+      if len(p):
+        out[k - lo, :len(p)] = self.source[p]
+    return out
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # a fresh array either way
+    out = self.block(0, len(self))
+    return out if dtype is None else out.astype(dtype)
+
+  def __getitem__(self, index):
+    if isinstance(index, slice) and index.step in (None, 1):
+      return self.block(*index.indices(len(self))[:2])
+    if (isinstance(index, (list, np.ndarray)) and np.ndim(index) == 1 and
+        np.asarray(index).dtype.kind in 'iu'):
+      return ClientRows(self.source, [self.parts[i] for i in
+                                      np.asarray(index)], self.n)
+    head, rest = (index[0], index[1:]) if isinstance(index, tuple) else (
+        index, ())
+    if isinstance(head, (int, np.integer)):
+      k = range(len(self))[head]
+      return self.block(k, k + 1)[(0, *rest)]
+    return np.asarray(self)[index]
+
+  def __repr__(self) -> str:
+    return f'ClientRows(shape={self.shape}, dtype={self.dtype})'
+
+
+def stack_clients(x, y: np.ndarray, parts: list[np.ndarray]
+                  ) -> FederatedData:
   """Pads every client's examples to the largest client.
 
   Args:
-    x: uint8[M, H, W, Ch]; y: int[M].
+    x: [M, H, W, Ch] (or [M, T] token ids), any array indexable by an
+      index array; y: int[M].
     parts: K index arrays into x (may be empty).
 
   Returns:
-    FederatedData with numpy leaves x uint8[K, N, ...], y int32[K, N],
-    count int32[K], N = max(1, largest part).
+    FederatedData with x a lazy ClientRows [K, N, ...] over `x` (rows are
+    gathered when placed on devices), y int32[K, N] and count int32[K] as
+    numpy, N = max(1, largest part).
   """
   counts = np.array([len(p) for p in parts], np.int32)
   n = max(1, int(counts.max(initial=0)))
-  xs = np.zeros((len(parts), n, *x.shape[1:]), x.dtype)
   ys = np.zeros((len(parts), n), np.int32)
   for k, p in enumerate(parts):
-    xs[k, :len(p)] = x[p]
     ys[k, :len(p)] = y[p]
-  return FederatedData(xs, ys, counts)
+  return FederatedData(ClientRows(x, parts, n), ys, counts)
 
 
 def stack_eval_sets(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray],

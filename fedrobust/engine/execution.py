@@ -168,15 +168,24 @@ def run_clients(fn: Callable[[PyTree, PyTree], PyTree], per_client: PyTree,
                            per_client, shared)
 
 
+def _rows(leaf, lo: int, hi: int) -> np.ndarray:
+  """Rows lo .. hi - 1 of a host leaf; a lazy one (data.ClientRows, with
+  a `block` method) builds only those."""
+  block = getattr(leaf, 'block', None)
+  return block(lo, hi) if block is not None else np.asarray(leaf[lo:hi])
+
+
 def place_clients(tree: PyTree, mesh: Mesh | None, layout: str) -> PyTree:
   """Host arrays with a leading client axis [K, ...] onto the mesh.
 
   layout 'replicated': every device holds every row. 'sharded': the rows
   split over the mesh's 'clients' axis in order, device d holding rows
-  d K / N .. (d + 1) K / N - 1. Under several processes (jax.distributed)
-  each process contributes only the rows of its own devices
-  (`jax.make_array_from_process_local_data`), so no host sends another's
-  rows to a device; the other rows of `tree` are never read.
+  d K / N .. (d + 1) K / N - 1. Each device's block is built and sent on
+  its own, so a lazy leaf (data.ClientRows) never builds the whole array
+  on the host. Under several processes (jax.distributed) each process
+  builds and contributes only the rows of its own devices
+  (`jax.make_array_from_process_local_data`), so no host reads or sends
+  another's rows.
 
   Raises:
     SettingError naming `client_data` when K does not split evenly.
@@ -187,20 +196,22 @@ def place_clients(tree: PyTree, mesh: Mesh | None, layout: str) -> PyTree:
   if mesh is None:
     return jax.tree.map(jnp.asarray, tree)
   if layout == 'replicated' or mesh.size == 1:
-    return jax.device_put(jax.tree.map(jnp.asarray, tree),
+    return jax.device_put(jax.tree.map(np.asarray, tree),
                           jax.sharding.NamedSharding(mesh, P()))
   sharding = jax.sharding.NamedSharding(mesh, P(CLIENT_AXIS))
 
   def place(leaf):
-    leaf = np.asarray(leaf)
-    if leaf.shape[0] % mesh.size:
-      raise SettingError('client_data', f'{leaf.shape[0]} clients do not '
+    shape = tuple(leaf.shape)
+    if shape[0] % mesh.size:
+      raise SettingError('client_data', f'{shape[0]} clients do not '
                          f'split evenly over {mesh.size} devices')
     if jax.process_count() == 1:
-      return jax.device_put(leaf, sharding)
+      return jax.make_array_from_callback(
+          shape, sharding, lambda index: _rows(leaf, index[0].start,
+                                               index[0].stop))
     spans = sorted({(index[0].start, index[0].stop) for index in
                     sharding.addressable_devices_indices_map(
-                        leaf.shape).values()})
+                        shape).values()})
     if not spans:
       raise SettingError('client_data', f'process {jax.process_index()} '
                          f'holds none of the mesh\'s {mesh.size} devices, '
@@ -212,6 +223,6 @@ def place_clients(tree: PyTree, mesh: Mesh | None, layout: str) -> PyTree:
       raise SettingError('client_data', 'this process\'s devices hold '
                          f'client blocks {spans}, not contiguous on the '
                          'mesh; order the mesh devices by process')
-    return jax.make_array_from_process_local_data(sharding, leaf[lo:hi],
-                                                  leaf.shape)
+    return jax.make_array_from_process_local_data(sharding,
+                                                  _rows(leaf, lo, hi), shape)
   return jax.tree.map(place, tree)
