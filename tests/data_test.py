@@ -783,6 +783,7 @@ class TfdsTest(parameterized.TestCase):
     name = _prepare_tiny_tfds(self.tfds, data_dir, num_train=23, num_test=11)
     ds = sources.load_tfds(name, data_dir)
     self.assertEqual(ds.num_classes, 10)
+    self.assertIsInstance(ds.train_x, sources.RecordImages)
     for x, y, n in ((ds.train_x, ds.train_y, 23), (ds.test_x, ds.test_y, 11)):
       self.assertEqual(x.shape, (n, 28, 28, 1))
       self.assertEqual(x.dtype, np.uint8)
@@ -793,6 +794,57 @@ class TfdsTest(parameterized.TestCase):
       np.testing.assert_array_equal(x, np.broadcast_to(
           ids[:, None, None, None], x.shape))
       np.testing.assert_array_equal(y, ids % 10)
+
+  def test_training_images_are_read_by_client(self):
+    """TFDS training images stay in their files: indexing reads only the
+    records asked for, a subsample stays lazy, and a federated setup
+    built over them reads a client's examples when its block is built,
+    giving the arrays of the images read in full."""
+    data_dir = self.create_tempdir().full_path
+    name = _prepare_tiny_tfds(self.tfds, data_dir, num_train=40, num_test=3)
+    ds = sources.load_tfds(name, data_dir)
+
+    class Records:
+      """The split's records, noting which are read (no __getitems__)."""
+
+      def __init__(self, records):
+        self.records, self.read = records, set()
+
+      def __len__(self):
+        return len(self.records)
+
+      def __getitem__(self, i):
+        self.read.add(int(i))
+        return self.records[i]
+
+    source = Records(ds.train_x.source)
+    images = sources.RecordImages(source, 'train')
+    self.assertEqual(images.shape, (40, 28, 28, 1))
+    source.read.clear()   # the shape came from record 0
+    full, labels = sources._read_split(ds.train_x.source, 'train')
+    np.testing.assert_array_equal(labels, ds.train_y)
+    np.testing.assert_array_equal(images[np.array([5, 2])], full[[5, 2]])
+    self.assertEqual(source.read, {5, 2})
+    np.testing.assert_array_equal(images[7], full[7])
+    np.testing.assert_array_equal(images[3, 0, :2], full[3, 0, :2])
+    sub = federated.subsample(ds._replace(train_x=images), 25, seed=1)
+    self.assertIsInstance(sub.train_x, sources.RecordImages)
+    self.assertEqual(sub.train_x.shape, (25, 28, 28, 1))
+    kept = federated.subsample_rows(40, 25, seed=1)
+    np.testing.assert_array_equal(sub.train_x[[0, 24]], full[kept[[0, 24]]])
+    source.read.clear()
+    setup = federated.build_federated_setup(
+        ds._replace(train_x=images), num_clients=4,
+        partition_name='iid', seed=0)
+    self.assertEqual(source.read, set())   # nothing read for the clients
+    first = setup.train.x.block(0, 1)
+    self.assertEqual(source.read, set(setup.train.x.parts[0].tolist()))
+    eager = federated.build_federated_setup(
+        ds._replace(train_x=full), num_clients=4, partition_name='iid',
+        seed=0)
+    np.testing.assert_array_equal(first, np.asarray(eager.train.x)[:1])
+    np.testing.assert_array_equal(np.asarray(setup.train.x),
+                                  np.asarray(eager.train.x))
 
   def test_reads_in_batches_and_without_getitems(self):
     data_dir = self.create_tempdir().full_path

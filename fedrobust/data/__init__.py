@@ -7,6 +7,7 @@ from fedrobust.data.federated import (ClientRows, EvalSet, FederatedSetup,
                                       unseen_clients, unused_rows)
 from fedrobust.data.partition import PARTITIONERS, class_histograms
 from fedrobust.data.sources import (DATASETS, DEFAULT_FASHION_MNIST_DIR,
-                                    DataNotFoundError, Dataset, load_dataset)
+                                    DataNotFoundError, Dataset,
+                                    RecordImages, load_dataset)
 from fedrobust.data.splits import (ServerSplits, local_train_test_split,
                                    make_server_splits)

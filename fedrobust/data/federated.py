@@ -171,7 +171,10 @@ def subsample(dataset: Dataset, max_train_examples: int,
     return dataset
   keep = subsample_rows(len(dataset.train_y), max_train_examples, seed)
   groups = dataset.train_groups
-  return dataset._replace(train_x=dataset.train_x[keep],
+  x = dataset.train_x
+  # A lazy source (sources.RecordImages) stays lazy.
+  return dataset._replace(train_x=x.subset(keep) if hasattr(x, 'subset')
+                          else x[keep],
                           train_y=dataset.train_y[keep],
                           train_groups=None if groups is None else groups[keep])
 

@@ -44,11 +44,12 @@ _TFDS_READ_BATCH = 1024
 
 
 class Dataset(NamedTuple):
-  """A classification dataset held in host memory.
+  """A classification dataset (in host memory, but TFDS training images).
 
   Attributes:
     train_x: uint8 `[N, H, W, C]` training images, or int32 `[N, L]` token
-      ids for the text datasets (fedrobust.data.text).
+      ids for the text datasets (fedrobust.data.text); for TFDS datasets a
+      RecordImages, which reads the records it is indexed by.
     train_y: int32 `[N]` training labels in `[0, num_classes)`.
     test_x: uint8 `[M, H, W, C]` test images.
     test_y: int32 `[M]` test labels in `[0, num_classes)`.
@@ -59,7 +60,7 @@ class Dataset(NamedTuple):
     test_groups: optional int32 `[M]`, the same for the test split.
   """
 
-  train_x: np.ndarray
+  train_x: 'np.ndarray | RecordImages'
   train_y: np.ndarray
   test_x: np.ndarray
   test_y: np.ndarray
@@ -312,21 +313,19 @@ def _read_batches(source: Any, batch_size: int) -> Iterator[Sequence[Any]]:
       yield [source[k] for k in keys]
 
 
-def _read_split(
-    source: Any, split: str, batch_size: int = _TFDS_READ_BATCH
-) -> tuple[np.ndarray, np.ndarray]:
-  """Reads `{'image', 'label'}` records into uint8 images and int32 labels.
+def _checked_image(record: Any, shape: tuple[int, ...], split: str,
+                   i: int) -> np.ndarray:
+  image = np.asarray(record['image'])
+  if image.dtype != np.uint8 or image.shape != shape:
+    raise ValueError(
+        f'TFDS split {split!r}, example {i}: expected a uint8 {shape} '
+        f'image, got {image.dtype} {image.shape}.'
+    )
+  return image
 
-  Args:
-    source: Random-access source (`__len__` and `__getitem__`).
-    split: Split name, used in error messages.
-    batch_size: Records requested per batched read.
 
-  Returns:
-    Images `[N, H, W, C]` uint8 and labels `[N]` int32, in source order.
-  """
-  n = len(source)
-  if n == 0:
+def _first_shape(source: Any, split: str) -> tuple[int, ...]:
+  if len(source) == 0:
     raise ValueError(f'TFDS split {split!r} is empty.')
   shape = np.shape(source[0]['image'])
   if len(shape) != 3:
@@ -334,21 +333,98 @@ def _read_split(
         f'TFDS split {split!r}: expected images of shape [H, W, C], got '
         f'{shape}.'
     )
-  images = np.empty((n, *shape), np.uint8)
+  return shape
+
+
+def _read_split(
+    source: Any, split: str, batch_size: int = _TFDS_READ_BATCH,
+    images: bool = True
+) -> tuple[np.ndarray | None, np.ndarray]:
+  """Reads `{'image', 'label'}` records into uint8 images and int32 labels.
+
+  Args:
+    source: Random-access source (`__len__` and `__getitem__`).
+    split: Split name, used in error messages.
+    batch_size: Records requested per batched read.
+    images: False keeps only the labels (the images are checked, then
+      dropped batch by batch): images come back None.
+
+  Returns:
+    Images `[N, H, W, C]` uint8 and labels `[N]` int32, in source order.
+  """
+  n = len(source)
+  shape = _first_shape(source, split)
+  out = np.empty((n, *shape), np.uint8) if images else None
   labels = np.empty((n,), np.int32)
   i = 0
   for batch in _read_batches(source, batch_size):
     for record in batch:
-      image = np.asarray(record['image'])
-      if image.dtype != np.uint8 or image.shape != shape:
-        raise ValueError(
-            f'TFDS split {split!r}, example {i}: expected a uint8 {shape} '
-            f'image, got {image.dtype} {image.shape}.'
-        )
-      images[i] = image
+      image = _checked_image(record, shape, split, i)
+      if out is not None:
+        out[i] = image
       labels[i] = record['label']
       i += 1
-  return images, labels
+  return out, labels
+
+
+class RecordImages:
+  """The images of a random-access TFDS split, read when indexed.
+
+  Stands where a uint8 [N, H, W, C] array would (Dataset.train_x): it has
+  `shape` and `dtype`, and `images[rows]` reads only those records (in
+  batches, through the source's `__getitems__` when it has one). A run
+  reads each client's examples from it when it places them on devices
+  (data.ClientRows), so a process holds only its own clients' images;
+  `subset(rows)` is a view of some records (a subsample).
+  """
+
+  def __init__(self, source: Any, split: str,
+               rows: np.ndarray | None = None,
+               shape: tuple[int, ...] | None = None):
+    self.source, self.split = source, split
+    self.rows = (np.arange(len(source)) if rows is None
+                 else np.asarray(rows, np.int64))
+    self.image_shape = shape or _first_shape(source, split)
+    self.shape = (len(self.rows), *self.image_shape)
+    self.dtype = np.dtype(np.uint8)
+    self.ndim = len(self.shape)
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape))
+
+  def subset(self, rows) -> 'RecordImages':
+    return RecordImages(self.source, self.split, self.rows[np.asarray(rows)],
+                        self.image_shape)
+
+  def __getitem__(self, index) -> np.ndarray:
+    head, rest = (index[0], index[1:]) if isinstance(index, tuple) else (
+        index, ())
+    keys = np.arange(len(self))[head]
+    records = self.rows[np.atleast_1d(keys)].tolist()
+    out = np.empty((len(records), *self.image_shape), np.uint8)
+    for start in range(0, len(records), _TFDS_READ_BATCH):
+      chunk = records[start:start + _TFDS_READ_BATCH]
+      batch = (self.source.__getitems__(chunk)
+               if hasattr(self.source, '__getitems__')
+               else [self.source[k] for k in chunk])
+      for j, (k, record) in enumerate(zip(chunk, batch)):
+        out[start + j] = _checked_image(record, self.image_shape,
+                                        self.split, k)
+    if np.ndim(keys) == 0:
+      return out[0][rest]
+    return out[(slice(None), *rest)]
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # a fresh array either way
+    out = self[:]
+    return out if dtype is None else out.astype(dtype)
+
+  def __repr__(self) -> str:
+    return f'RecordImages({self.split!r}, shape={self.shape})'
 
 
 def load_tfds(name: str, data_dir: str | None) -> Dataset:
@@ -365,7 +441,8 @@ def load_tfds(name: str, data_dir: str | None) -> Dataset:
     data_dir: TFDS data directory; None means the TFDS default.
 
   Returns:
-    The dataset; `num_classes` comes from the `'label'` feature.
+    The dataset; `num_classes` comes from the `'label'` feature. Its
+    `train_x` is a RecordImages, read when indexed.
 
   Raises:
     DataNotFoundError: If the dataset is not prepared in `data_dir` (in a
@@ -389,7 +466,11 @@ def load_tfds(name: str, data_dir: str | None) -> Dataset:
     )
   except not_prepared_errors as e:
     raise DataNotFoundError(_tfds_not_found_message(name, data_dir, e)) from e
-  train_x, train_y = _read_split(sources['train'], 'train')
+  # The training images stay in their files (RecordImages): a run reads
+  # only the examples of the clients it places. The labels (which the
+  # partition needs) and the test split are read now.
+  _, train_y = _read_split(sources['train'], 'train', images=False)
+  train_x = RecordImages(sources['train'], 'train')
   test_x, test_y = _read_split(sources['test'], 'test')
   features = sources['train'].dataset_info.features
   return Dataset(
