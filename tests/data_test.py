@@ -498,6 +498,34 @@ class ClientRowsTest(absltest.TestCase):
       rows.block(4, 7)
 
 
+class StackEvalSetsTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      # (client sizes, batch_size, expected [T, B])
+      ([3, 0, 5, 1], 500, (1, 5)),
+      ([600, 10], 500, (2, 300)),
+      ([1000, 7], 500, (2, 500)),
+      ([0, 0], 500, (1, 1)),
+  )
+  def test_batches_fit_the_longest_client(self, sizes, batch_size, tb):
+    """Every client's examples once, in order, masked; batches no larger
+    than the longest client needs (not batch_size each)."""
+    x = np.arange(sum(sizes) + 1, dtype=np.int32)[:, None] + 1
+    y = np.arange(sum(sizes) + 1) % 10
+    bounds = np.cumsum([0, *sizes])
+    parts = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    out = federated.stack_eval_sets(x, y, parts, batch_size)
+    self.assertEqual(out.x.shape, (len(sizes), *tb, 1))
+    self.assertEqual(out.mask.shape, (len(sizes), *tb))
+    for k, p in enumerate(parts):
+      m = out.mask[k].reshape(-1)
+      self.assertEqual(int(m.sum()), len(p))
+      self.assertTrue(np.all(m[:len(p)]))   # real examples first
+      np.testing.assert_array_equal(out.x[k].reshape(-1)[:len(p)], x[p, 0])
+      np.testing.assert_array_equal(out.y[k].reshape(-1)[:len(p)], y[p])
+      self.assertEqual(int(np.abs(out.x[k].reshape(-1)[len(p):]).sum()), 0)
+
+
 class IdxTest(parameterized.TestCase):
 
   @parameterized.named_parameters(

@@ -134,8 +134,17 @@ def stack_clients(x, y: np.ndarray, parts: list[np.ndarray]
 
 def stack_eval_sets(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray],
                     batch_size: int) -> EvalSet:
-  """Per-client evaluation sets batched to [K, T, B, ...] with masks."""
-  t = max(1, max((-(-len(p) // batch_size) for p in parts), default=1))
+  """Per-client evaluation sets batched to [K, T, B, ...] with masks.
+
+  B is at most batch_size and no larger than the longest client needs:
+  T = ceil(longest / batch_size) batches of B = ceil(longest / T). Many
+  small clients (1,000 clients with a few test examples each) are not
+  padded to a full evaluation batch each, which would cost memory and
+  forward passes a hundred times their data.
+  """
+  longest = max((len(p) for p in parts), default=0)
+  t = max(1, -(-longest // batch_size))
+  batch_size = max(1, -(-longest // t))
   batched = [pad_to_batches(x[p], y[p].astype(np.int32), batch_size)
              for p in parts]
   out_x = np.zeros((len(parts), t, batch_size, *x.shape[1:]), x.dtype)
