@@ -196,7 +196,8 @@ def place_clients(tree: PyTree, mesh: Mesh | None, layout: str) -> PyTree:
   if mesh is None:
     return jax.tree.map(jnp.asarray, tree)
   if layout == 'replicated' or mesh.size == 1:
-    return jax.device_put(jax.tree.map(np.asarray, tree),
+    host = lambda a: a if isinstance(a, jax.Array) else np.asarray(a)
+    return jax.device_put(jax.tree.map(host, tree),
                           jax.sharding.NamedSharding(mesh, P()))
   sharding = jax.sharding.NamedSharding(mesh, P(CLIENT_AXIS))
 
