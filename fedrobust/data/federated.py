@@ -15,7 +15,7 @@ import numpy as np
 from fedrobust.data.partition import (SUPERCLASSES, class_histograms,
                                       partition)
 from fedrobust.errors import SettingError
-from fedrobust.data.sources import Dataset
+from fedrobust.data.sources import Dataset, LazyHostArray
 from fedrobust.data.splits import local_train_test_split, make_server_splits
 from fedrobust.engine.evaluate import pad_to_batches
 from fedrobust.types import FederatedData
@@ -46,7 +46,7 @@ class FederatedSetup(NamedTuple):
   client_groups: np.ndarray | None = None
 
 
-class ClientRows:
+class ClientRows(LazyHostArray):
   """Clients' examples as a lazy [K, N, ...] array, padded with zeros to N.
 
   Holds only the source (any array that takes an index array: a numpy
@@ -66,14 +66,6 @@ class ClientRows:
     self.n = int(n)
     self.shape = (len(self.parts), self.n, *source.shape[1:])
     self.dtype = np.dtype(source.dtype)
-    self.ndim = len(self.shape)
-
-  def __len__(self) -> int:
-    return self.shape[0]
-
-  @property
-  def nbytes(self) -> int:
-    return int(np.prod(self.shape)) * self.dtype.itemsize
 
   def block(self, lo: int, hi: int) -> np.ndarray:
     """Clients lo .. hi - 1 as an array [hi - lo, N, ...]."""
@@ -87,10 +79,8 @@ class ClientRows:
         out[k - lo, :len(p)] = self.source[p]
     return out
 
-  def __array__(self, dtype=None, copy=None):
-    del copy  # a fresh array either way
-    out = self.block(0, len(self))
-    return out if dtype is None else out.astype(dtype)
+  def _whole(self) -> np.ndarray:
+    return self.block(0, len(self))
 
   def __getitem__(self, index):
     if isinstance(index, slice) and index.step in (None, 1):

@@ -367,7 +367,36 @@ def _read_split(
   return out, labels
 
 
-class RecordImages:
+class LazyHostArray:
+  """What a lazy host array shares: a subclass sets `shape` and `dtype` and
+  defines `_whole()` (every row, read now); numpy, `jnp.asarray`, `len`
+  and `nbytes` then treat it as that array (RecordImages,
+  data.ClientRows)."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+  def _whole(self) -> np.ndarray:
+    raise NotImplementedError
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * self.dtype.itemsize
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # a fresh array either way
+    out = self._whole()
+    return out if dtype is None else out.astype(dtype)
+
+
+class RecordImages(LazyHostArray):
   """The images of a random-access TFDS split, read when indexed.
 
   Stands where a uint8 [N, H, W, C] array would (Dataset.train_x): it has
@@ -387,14 +416,6 @@ class RecordImages:
     self.image_shape = shape or _first_shape(source, split)
     self.shape = (len(self.rows), *self.image_shape)
     self.dtype = np.dtype(np.uint8)
-    self.ndim = len(self.shape)
-
-  def __len__(self) -> int:
-    return self.shape[0]
-
-  @property
-  def nbytes(self) -> int:
-    return int(np.prod(self.shape))
 
   def subset(self, rows) -> 'RecordImages':
     return RecordImages(self.source, self.split, self.rows[np.asarray(rows)],
@@ -418,10 +439,8 @@ class RecordImages:
       return out[0][rest]
     return out[(slice(None), *rest)]
 
-  def __array__(self, dtype=None, copy=None):
-    del copy  # a fresh array either way
-    out = self[:]
-    return out if dtype is None else out.astype(dtype)
+  def _whole(self) -> np.ndarray:
+    return self[:]
 
   def __repr__(self) -> str:
     return f'RecordImages({self.split!r}, shape={self.shape})'
