@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments import backbone
@@ -52,10 +53,11 @@ from fedrobust.data import (DEFAULT_FASHION_MNIST_DIR, DataNotFoundError,
                             subsample, unused_rows)
 from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               client_mesh, default_strategy, evaluate,
-                              evaluate_clients, init_server_state,
+                              init_server_state,
                               make_round_step, make_setup_step, parse_delay,
                               place_clients, sgd)
-from fedrobust.engine.evaluate import backdoor_rates, pad_to_batches
+from fedrobust.engine.evaluate import (backdoor_rates, evaluations,
+                                       pad_leading, pad_to_batches, rebatch)
 from fedrobust.local import adamw
 from fedrobust.engine.round import all_finite
 from fedrobust.errors import SettingError
@@ -621,15 +623,25 @@ class Evaluator:
   client, as Horus does: global accuracy is the mean over clients of their
   own model's accuracy on the global test set, local accuracy the mean of
   their own model on their own local test split.
+
+  With a mesh of several devices the evaluations split over it
+  (engine.evaluate.evaluations): the global and triggered sets' batches,
+  and the clients of the local test splits, each device evaluating its
+  share once instead of every device evaluating everything. Under
+  several processes each process places only its own share of the
+  local test splits.
   """
 
-  def __init__(self, program: Program, put, eval_batch_size: int):
+  def __init__(self, program: Program, put, eval_batch_size: int,
+               mesh=None):
     self.cohorts = program.cohorts
     self.num_clients = program.setup.train.count.shape[0]
-    self.test = put(tuple(map(jnp.asarray, program.setup.test)))
+    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    self.test = self.place_set(program.setup.test, put)
     lt = program.setup.local_test
-    self.local_tests = [put(tuple(jnp.asarray(a[np.asarray(c.members)])
-                                  for a in lt)) for c in self.cohorts]
+    self.local_tests = [self.place_local(tuple(a[np.asarray(c.members)]
+                                                 for a in lt), put)
+                        for c in self.cohorts]
     # Without local test splits (--local_test_fraction=0) the per-client
     # local evaluation would run every client over padding: skip it.
     self.has_local = [bool(np.any(np.asarray(lt[2])[np.asarray(c.members)]))
@@ -649,29 +661,50 @@ class Evaluator:
                                                            self.target))
       self.exclude_target = (self.no_true_class or
                              not np.any(true == self.target))
-      self.triggered = put(tuple(map(jnp.asarray, pad_to_batches(
-          x, true, eval_batch_size))))
+      self.triggered = self.place_set(pad_to_batches(
+          x, true, eval_batch_size), put)
+
+  def place_set(self, batches, put):
+    """One evaluation set [T, B, ...] on the devices: whole (`put`), or
+    with its batches split over the mesh."""
+    if self.mesh is None:
+      return put(tuple(map(jnp.asarray, batches)))
+    return place_clients(rebatch(*batches, self.mesh.size), self.mesh,
+                         'sharded')
+
+  def place_local(self, tree, put):
+    """Per-client sets [K, ...] on the devices: whole (`put`), or split
+    over the mesh by client, padded with empty clients to a multiple of
+    its size (`clients` and `own` cut outputs back to K)."""
+    if self.mesh is None:
+      return put(jax.tree.map(jnp.asarray, tree))
+    return place_clients(pad_leading(tree, self.mesh.size), self.mesh,
+                         'sharded')
 
   @staticmethod
-  def _compile(apply) -> dict[str, Any]:
+  def _fetch(tree, k: int) -> dict[str, np.ndarray]:
+    """Per-client outputs [K', ...] to the host, cut to the first k; a
+    split output is gathered from every process."""
+    if jax.process_count() > 1:
+      tree = multihost_utils.process_allgather(tree, tiled=True)
+    return jax.tree.map(lambda a: np.asarray(a)[:k], jax.device_get(tree))
+
+  def clients(self, fns, params, local, k: int) -> dict[str, np.ndarray]:
+    """One model on k clients' placed local sets (`place_local`)."""
+    return self._fetch(fns['clients'](params, *local), k)
+
+  def own(self, fns, params, index, local, k: int) -> dict[str, np.ndarray]:
+    """Row index[i] of a stacked model set on client i's placed local set,
+    for k clients."""
+    index = self.place_local(np.asarray(index, np.int32), jnp.asarray)
+    return self._fetch(fns['own'](params, index, local), k)
+
+  def _compile(self, apply) -> dict[str, Any]:
     """The jitted evaluations of one forward `apply`: 'test' (a model on
     one set), 'clients' (a model on every client's local test), 'rows'
     (each row of a stacked model set on one set) and 'own' (client k's row
-    on its own local test)."""
-
-    def rows(params, x, y, mask):
-      return jax.lax.map(lambda p: evaluate(apply, p, x, y, mask), params)
-
-    def own(params, index, local):
-      def one(args):
-        k, lx, ly, lm = args
-        p = jax.tree.map(lambda leaf: leaf[k], params)
-        return evaluate(apply, p, lx, ly, lm)
-      return jax.lax.map(one, (index, *local))
-
-    return {'test': jax.jit(functools.partial(evaluate, apply)),
-            'clients': jax.jit(functools.partial(evaluate_clients, apply)),
-            'rows': jax.jit(rows), 'own': jax.jit(own)}
+    on its own local test); engine.evaluate.evaluations."""
+    return evaluations(apply, self.mesh)
 
   def for_cohort(self, j: int) -> dict[str, Any]:
     """The evaluations of cohort j's Model."""
@@ -702,8 +735,8 @@ class Evaluator:
         own_local.update(values['_own'])
         continue
       test = jax.device_get(self.fns(m)['test'](m.params, *self.test))
-      local = (jax.device_get(self.fns(m)['clients'](
-          m.params, *self.local_tests[m.cohort]))
+      local = (self.clients(self.fns(m), m.params,
+                            self.local_tests[m.cohort], len(members))
                if self.has_local[m.cohort] else no_local(len(members)))
       wanted = set(m.clients) if m.clients is not None else set(members)
       pick = np.array([i in wanted for i in members])
@@ -757,8 +790,8 @@ class Evaluator:
              else np.asarray(m.index, np.int32))
     rows_fn = self.fns(m)['rows']
     global_m = jax.device_get(rows_fn(m.params, *self.test))
-    local_m = (jax.device_get(self.fns(m)['own'](
-        m.params, jnp.asarray(index), self.local_tests[m.cohort]))
+    local_m = (self.own(self.fns(m), m.params, index,
+                        self.local_tests[m.cohort], len(members))
                if self.has_local[m.cohort] else no_local(len(members)))
     has = np.asarray(local_m['count']) > 0
     values = {'test_accuracy': float(np.mean(global_m['accuracy'][index])),
@@ -839,10 +872,10 @@ def adapt_unseen(program: Program, state, evaluator: 'Evaluator', put,
       local=local, optimizer=program.optimizer))
   params, info = fn(state, put(jax.tree.map(jnp.asarray, unseen.train)),
                     jax.random.key(config['seed'] + 7))
-  local_test = put(tuple(jnp.asarray(a) for a in unseen.local_test))
   k = unseen.train.count.shape[0]
-  scores = jax.device_get(evaluator.for_cohort(0)['own'](
-      params, jnp.arange(k, dtype=jnp.int32), local_test))
+  scores = evaluator.own(evaluator.for_cohort(0), params, np.arange(k),
+                         evaluator.place_local(tuple(unseen.local_test),
+                                                 put), k)
   has = np.asarray(scores['count']) > 0
   acc = np.asarray(scores['accuracy'])
   out = {'unseen_accuracy': float(np.mean(acc[has])) if has.any() else None,
@@ -1122,7 +1155,7 @@ def _run_locked(config: dict[str, Any], program: Program,
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, data, server_data).compile()
   compile_seconds = time.perf_counter() - t0
-  evaluator = Evaluator(program, put, config['eval_batch_size'])
+  evaluator = Evaluator(program, put, config['eval_batch_size'], mesh)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   flops_per_round = float((cost or {}).get('flops', float('nan')))
@@ -1185,8 +1218,10 @@ def _run_locked(config: dict[str, Any], program: Program,
           round_seconds=seconds, **({'clients': clients} if clients else {})))
     if rnd % config['eval_every'] == 0 or rnd == num_rounds or stop:
       row = {'round': rnd}
+      t_eval = time.perf_counter()
       row.update(evaluator(method.eval_models(state)))
-      row.update(round_seconds=seconds, samples_per_second=samples / seconds)
+      row.update(round_seconds=seconds, samples_per_second=samples / seconds,
+                 eval_seconds=time.perf_counter() - t_eval)
       row.update({k: float(v) for k, v in metrics.items()})
       if clients:
         row['clients'] = clients

@@ -139,7 +139,7 @@ class EndToEndTest(IdxDataTestCase):
       rows = [json.loads(line) for line in f]
     self.assertEqual([r['round'] for r in rows], [1, 2])
     for key in ('test_accuracy', 'test_loss', 'local_accuracy',
-                'round_seconds', 'samples_per_second'):
+                'round_seconds', 'samples_per_second', 'eval_seconds'):
       self.assertIn(key, rows[-1])
       self.assertTrue(np.isfinite(rows[-1][key]), key)
     self.assertGreater(rows[-1]['test_accuracy'], 0.3)   # learnable data

@@ -161,5 +161,31 @@ class MultiProcessTest(absltest.TestCase):
                       '2.sha256'])
 
 
+  def test_two_processes_split_the_evaluation(self):
+    """With local test splits, the runner's evaluation splits the global
+    test set's batches and the clients' local tests over the mesh, which
+    here spans two processes: each evaluates its share, and the metrics
+    rows (global, local and personal accuracy) are the single process's
+    on two devices."""
+    tmp, data_dir = self._data()
+    overrides = json.dumps({'local_test_fraction': 0.25, 'num_rounds': 1})
+    self._single_process(tmp, data_dir, FEDROBUST_MP_OVERRIDES=overrides,
+                         FEDROBUST_MP_WORKDIR=os.path.join(tmp, 'one'))
+    self._two_processes(tmp, data_dir, 'eval',
+                        FEDROBUST_MP_OVERRIDES=overrides,
+                        FEDROBUST_MP_WORKDIR=os.path.join(tmp, 'two'))
+    rows = {}
+    for name in ('one', 'two'):
+      with open(os.path.join(tmp, name, 'metrics.jsonl')) as f:
+        rows[name] = [json.loads(line) for line in f]
+    self.assertLen(rows['two'], 1)
+    one, two = rows['one'][0], rows['two'][0]
+    self.assertIsNotNone(one['local_accuracy'])
+    for key in ('test_accuracy', 'local_accuracy', 'personal_accuracy',
+                'personal_accuracy_p10'):
+      self.assertEqual(two[key], one[key], key)
+    self.assertAlmostEqual(two['test_loss'], one['test_loss'], places=5)
+
+
 if __name__ == '__main__':
   absltest.main()

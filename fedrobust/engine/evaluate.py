@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 
 Params = Any
@@ -26,6 +28,38 @@ def pad_to_batches(x: np.ndarray, y: np.ndarray, batch_size: int
           ys.reshape(t, batch_size), mask.reshape(t, batch_size))
 
 
+def evaluate_sums(apply_fn: Callable, params: Params, x: jax.Array,
+                  y: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+  """The sums behind `evaluate`: {'correct', 'loss', 'count'} float32
+  scalars (correct predictions, summed CE, unmasked examples) and
+  'confusion' float32[C, C], over the unmasked examples of [T, B] batches.
+  Sums of disjoint example sets add up, which is what lets the batches
+  split over devices (`evaluations`)."""
+  def batch_stats(batch):
+    xb, yb, mb = batch
+    logits = apply_fn(params, xb)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
+    pred = jnp.argmax(logits, -1)
+    c = logits.shape[-1]
+    confusion = jnp.einsum(
+        'bi,bj->ij', jax.nn.one_hot(yb, c) * mb[:, None],
+        jax.nn.one_hot(pred, c))
+    return (jnp.sum(jnp.where(mb, pred == yb, False)).astype(jnp.float32),
+            jnp.sum(jnp.where(mb, ce, 0.0)), jnp.sum(mb).astype(jnp.float32),
+            confusion)
+
+  correct, loss, count, confusion = jax.lax.map(batch_stats, (x, y, mask))
+  return {'correct': jnp.sum(correct), 'loss': jnp.sum(loss),
+          'count': jnp.sum(count), 'confusion': jnp.sum(confusion, 0)}
+
+
+def from_sums(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """`evaluate`'s metrics from `evaluate_sums`' (leading axes kept)."""
+  n = jnp.maximum(sums['count'], 1.0)
+  return {'accuracy': sums['correct'] / n, 'loss': sums['loss'] / n,
+          'count': sums['count'], 'confusion': sums['confusion']}
+
+
 def evaluate(apply_fn: Callable, params: Params, x: jax.Array, y: jax.Array,
              mask: jax.Array) -> dict[str, jax.Array]:
   """Accuracy and mean CE over the unmasked examples.
@@ -41,23 +75,7 @@ def evaluate(apply_fn: Callable, params: Params, x: jax.Array, y: jax.Array,
     {'accuracy', 'loss', 'count'} float32 scalars and 'confusion'
     float32[C, C]: counts of (true class, predicted class).
   """
-  def batch_stats(batch):
-    xb, yb, mb = batch
-    logits = apply_fn(params, xb)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
-    pred = jnp.argmax(logits, -1)
-    c = logits.shape[-1]
-    confusion = jnp.einsum(
-        'bi,bj->ij', jax.nn.one_hot(yb, c) * mb[:, None],
-        jax.nn.one_hot(pred, c))
-    return (jnp.sum(jnp.where(mb, pred == yb, False)).astype(jnp.float32),
-            jnp.sum(jnp.where(mb, ce, 0.0)), jnp.sum(mb).astype(jnp.float32),
-            confusion)
-
-  correct, loss, count, confusion = jax.lax.map(batch_stats, (x, y, mask))
-  n = jnp.maximum(jnp.sum(count), 1.0)
-  return {'accuracy': jnp.sum(correct) / n, 'loss': jnp.sum(loss) / n,
-          'count': jnp.sum(count), 'confusion': jnp.sum(confusion, 0)}
+  return from_sums(evaluate_sums(apply_fn, params, x, y, mask))
 
 
 def backdoor_rates(clean: np.ndarray, triggered: np.ndarray, target: int, *,
@@ -101,3 +119,100 @@ def evaluate_clients(apply_fn: Callable, params: Params, x: jax.Array,
     {'accuracy': float[K], 'loss': float[K], 'count': float[K]}.
   """
   return jax.lax.map(lambda a: evaluate(apply_fn, params, *a), (x, y, mask))
+
+
+def rebatch(x: np.ndarray, y: np.ndarray, mask: np.ndarray, multiple: int
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Host-side: an evaluation set [T, B, ...] re-cut into T' batches, T' a
+  multiple of `multiple`, of B' <= B examples, so that T' / multiple
+  batches go to each device. The unmasked examples keep their order;
+  padding is masked. T' = multiple * ceil(T / multiple) and
+  B' = ceil(M / T') for M examples, so at most multiple - 1 batches'
+  worth of padding is added where the example count does not split."""
+  x, y, mask = np.asarray(x), np.asarray(y), np.asarray(mask)
+  t = x.shape[0]
+  if t % multiple == 0:
+    return x, y, mask
+  keep = mask.reshape(-1)
+  flat_x = x.reshape(-1, *x.shape[2:])[keep]
+  flat_y = y.reshape(-1)[keep]
+  t_new = multiple * -(-t // multiple)
+  b_new = max(1, -(-len(flat_y) // t_new))
+  bx, by, bm = pad_to_batches(flat_x, flat_y, b_new)
+  pad = t_new - bx.shape[0]
+  return (np.concatenate([bx, np.zeros((pad, *bx.shape[1:]), bx.dtype)]),
+          np.concatenate([by, np.zeros((pad, *by.shape[1:]), by.dtype)]),
+          np.concatenate([bm, np.zeros((pad, *bm.shape[1:]), bool)]))
+
+
+def pad_leading(tree: Any, multiple: int) -> Any:
+  """Host-side: every leaf's leading axis zero-padded (False for masks) to
+  a multiple of `multiple`. Padded clients have no unmasked example, so
+  their count is 0."""
+  def pad(a):
+    a = np.asarray(a)
+    extra = -a.shape[0] % multiple
+    if not extra:
+      return a
+    return np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])
+  return jax.tree.map(pad, tree)
+
+
+def evaluations(apply_fn: Callable, mesh: Any = None,
+                axis: str = 'clients') -> dict[str, Callable]:
+  """The jitted evaluations of one forward `apply_fn`.
+
+    'test'(params, x, y, mask): one model on one set [T, B, ...];
+    'rows'(params, x, y, mask): each row of a stacked model set [R, ...]
+        on one set, metrics [R];
+    'clients'(params, x, y, mask): one model on each client's set
+        [K, T, B, ...], metrics [K];
+    'own'(params, index, (x, y, mask)): client k's row params[index[k]]
+        on client k's set, metrics [K].
+
+  Without a mesh (or on one device) every evaluation runs whole on the
+  device. On a mesh the work splits over `axis` instead of being repeated
+  on every device: the sets' batches ('test', 'rows'; T a multiple of the
+  mesh size, see `rebatch`) or clients ('clients', 'own'; K a multiple,
+  see `pad_leading`), with the models replicated. Batch sums are added
+  across devices, so accuracy and counts are the same numbers as
+  unsplit; the summed loss may differ in the last bits (another order of
+  float additions). Per-client outputs stay split over the mesh.
+  """
+  def rows_sums(params, x, y, mask):
+    return jax.lax.map(lambda p: evaluate_sums(apply_fn, p, x, y, mask),
+                       params)
+
+  clients = functools.partial(evaluate_clients, apply_fn)
+
+  def own(params, index, local):
+    def one(args):
+      k, lx, ly, lm = args
+      p = jax.tree.map(lambda leaf: leaf[k], params)
+      return evaluate(apply_fn, p, lx, ly, lm)
+    return jax.lax.map(one, (index, *local))
+
+  def test_sums(params, x, y, mask):
+    return evaluate_sums(apply_fn, params, x, y, mask)
+
+  if mesh is None or mesh.size == 1:
+    return {'test': jax.jit(lambda *a: from_sums(test_sums(*a))),
+            'rows': jax.jit(lambda *a: from_sums(rows_sums(*a))),
+            'clients': jax.jit(clients), 'own': jax.jit(own)}
+
+  split, whole = P(axis), P()
+
+  def summed(fn):
+    """fn's sums over this device's batches, added over the mesh."""
+    local = jax.shard_map(
+        lambda *a: jax.lax.psum(fn(*a), axis), mesh=mesh,
+        in_specs=(whole, split, split, split), out_specs=whole)
+    return jax.jit(lambda *a: from_sums(local(*a)))
+
+  return {'test': summed(test_sums), 'rows': summed(rows_sums),
+          'clients': jax.jit(jax.shard_map(
+              clients, mesh=mesh, in_specs=(whole, split, split, split),
+              out_specs=split)),
+          'own': jax.jit(jax.shard_map(
+              own, mesh=mesh, in_specs=(whole, split, (split,) * 3),
+              out_specs=split))}
