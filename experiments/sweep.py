@@ -193,7 +193,10 @@ def upload_bytes(workdir: str) -> int | None:
 
 
 def download_bytes(workdir: str) -> int | None:
-  """Bytes one client downloads per round (federated-LoRA methods only)."""
+  """Bytes one client downloads per round: the method's own count for the
+  federated-LoRA methods, else the coordinates it trains (the slice of
+  the global model it is sent, the same bytes it uploads). Extra
+  server-to-client payloads of other methods are not counted."""
   return _per_client_bytes(workdir, 'download')
 
 
@@ -207,11 +210,9 @@ def _per_client_bytes(workdir: str, direction: str) -> int | None:
   for name, c in cohorts.items():
     if comm.get(name):
       value = comm[name]['mean'][direction]
-    elif direction == 'upload':
+    else:
       per_spec = list(c['upload_bytes_per_client'].values())
       value = sum(per_spec) / len(per_spec)
-    else:
-      return None
     total += c['clients'] * value
     count += c['clients']
   return round(total / count) if count else None

@@ -126,9 +126,12 @@ def test_upload_bytes_is_the_client_weighted_mean_over_cohorts(tmp_path):
       'cnn': {'clients': 3, 'upload_bytes_per_client': {'rank=2': 100,
                                                         'rank=8': 300}},
       'lstm': {'clients': 1, 'upload_bytes_per_client': {'': 1000}}}}))
-  out = sweep.read_final(str(tmp_path), ['test_accuracy', 'upload_bytes'], 1)
+  out = sweep.read_final(str(tmp_path), ['test_accuracy', 'upload_bytes',
+                                         'download_bytes'], 1)
   assert out['test_accuracy'] == 0.5
   assert out['upload_bytes'] == (3 * 200 + 1 * 1000) / 4
+  # Without the method's own count a client downloads what it trains.
+  assert out['download_bytes'] == out['upload_bytes']
   os.remove(tmp_path / 'summary.json')
   assert sweep.read_final(str(tmp_path), ['upload_bytes'], 1) == {
       'upload_bytes': None}
