@@ -11,6 +11,8 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from fedrobust.engine.execution import CLIENT_AXIS
+
 
 Params = Any
 
@@ -159,7 +161,7 @@ def pad_leading(tree: Any, multiple: int) -> Any:
 
 
 def evaluations(apply_fn: Callable, mesh: Any = None,
-                axis: str = 'clients') -> dict[str, Callable]:
+                axis: str = CLIENT_AXIS) -> dict[str, Callable]:
   """The jitted evaluations of one forward `apply_fn`.
 
     'test'(params, x, y, mask): one model on one set [T, B, ...];
@@ -179,9 +181,10 @@ def evaluations(apply_fn: Callable, mesh: Any = None,
   unsplit; the summed loss may differ in the last bits (another order of
   float additions). Per-client outputs stay split over the mesh.
   """
+  test_sums = functools.partial(evaluate_sums, apply_fn)
+
   def rows_sums(params, x, y, mask):
-    return jax.lax.map(lambda p: evaluate_sums(apply_fn, p, x, y, mask),
-                       params)
+    return jax.lax.map(lambda p: test_sums(p, x, y, mask), params)
 
   clients = functools.partial(evaluate_clients, apply_fn)
 
@@ -191,9 +194,6 @@ def evaluations(apply_fn: Callable, mesh: Any = None,
       p = jax.tree.map(lambda leaf: leaf[k], params)
       return evaluate(apply_fn, p, lx, ly, lm)
     return jax.lax.map(one, (index, *local))
-
-  def test_sums(params, x, y, mask):
-    return evaluate_sums(apply_fn, params, x, y, mask)
 
   if mesh is None or mesh.size == 1:
     return {'test': jax.jit(lambda *a: from_sums(test_sums(*a))),
