@@ -411,6 +411,52 @@ class RuleTest(absltest.TestCase):
     self.assertIn(0, np.flatnonzero(state1.banned))
     self.assertEqual(infos1[3]['weights'][0], 0.0)
 
+  def test_history_info_measures_the_eq8_term(self):
+    """'history_share' and 'history_cos' against the difference the term
+    makes to the returned update (the same rule with sim_min = 1 selects
+    nothing), 'history_sim' against the cosines of the cached rows, and
+    'history_age' against the rounds since they arrived."""
+    n, d = 6, 5
+    rng = np.random.default_rng(3)
+    first = rng.normal(size=(n, d)).astype(np.float32) + 1.0
+    second = rng.normal(size=(n, d)).astype(np.float32) + 1.0
+    mask2 = np.array([True, True, True, False, False, False])
+
+    def run(sim_min):
+      agg = get_aggregator('fedhan', num_clients=n, detect=False,
+                           sim_min=sim_min, tau_max=5)
+      step = lambda u, m, st: call_aggregator(
+          agg, {'w': jnp.asarray(u)}, jnp.asarray(m), st, jax.random.key(0),
+          ids=jnp.arange(n, dtype=jnp.int32),
+          staleness=jnp.zeros(n, jnp.int32), coverage=None)
+      state = agg.init({'w': jnp.zeros((d,))})
+      _, state, _ = step(first, np.ones(n, bool), state)
+      _, state, _ = step(second, np.ones(n, bool), state)   # round 2
+      out, _, info = step(second, mask2, state)             # round 3
+      return np.asarray(out['w']), jax.tree.map(np.asarray, info)
+
+    plain, info0 = run(1.0)
+    mixed, info = run(-1.0)
+    self.assertEqual(float(info0['history_selected']), 0.0)
+    for key in ('history_share', 'history_cos', 'history_sim',
+                'history_age'):
+      self.assertEqual(float(info0[key]), 0.0, key)
+    self.assertEqual(float(info['history_selected']), 3.0)
+    extra = mixed - plain                     # alpha g~
+    self.assertGreater(np.linalg.norm(extra), 0.0)
+    self.assertAlmostEqual(float(info['history_share']),
+                           np.linalg.norm(extra) / np.linalg.norm(plain),
+                           places=5)
+    self.assertAlmostEqual(
+        float(info['history_cos']), float(extra @ plain) / (
+            np.linalg.norm(extra) * np.linalg.norm(plain)), places=5)
+    rows = second[3:]                         # cached in round 2
+    sims = rows @ plain / (np.linalg.norm(rows, axis=1)
+                           * np.linalg.norm(plain))
+    self.assertAlmostEqual(float(info['history_sim']), float(sims.mean()),
+                           places=5)
+    self.assertEqual(float(info['history_age']), 1.0)
+
   def test_masked_and_banned_slots_change_nothing(self):
     agg = get_aggregator('fedhan', num_clients=4, detect=False)
     params = {'w': jnp.zeros((3,))}

@@ -149,6 +149,37 @@ def _compact(keep: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
   return order, kept
 
 
+
+def _history_info(estimate: jax.Array, extra: jax.Array, selected: jax.Array,
+                  sim: jax.Array, age: jax.Array) -> dict[str, jax.Array]:
+  """How much Eq. 8's historical term alpha g~ moved a round's step.
+
+  Args:
+    estimate: float32[D], gbar(w_j), the K arrivals' aggregate.
+    extra: float32[D], alpha g~(w_j) (0 when nothing was selected).
+    selected: bool[N], the cached rows of Eq. 7.
+    sim: float32[N], their cosines to the estimate.
+    age: int32[N], rounds since each row was last received.
+
+  Returns:
+    'history_selected' (count), 'history_share' = ||alpha g~|| / ||gbar||,
+    'history_cos' = cos(alpha g~, gbar), and over the selected rows the
+    mean 'history_sim' (Eq. 7's cosine) and 'history_age' (rounds); each
+    0 in a round that selects nothing.
+  """
+  n_sel = jnp.sum(selected.astype(jnp.float32))
+  e_norm = jnp.linalg.norm(estimate)
+  x_norm = jnp.linalg.norm(extra)
+  safe = lambda v: jnp.where(v > 0, v, 1.0)
+  mean_sel = lambda v: jnp.sum(jnp.where(selected, v, 0.0)) / safe(n_sel)
+  return {'history_selected': n_sel,
+          'history_share': jnp.where(e_norm > 0, x_norm / safe(e_norm), 0.0),
+          'history_cos': jnp.where((e_norm > 0) & (x_norm > 0),
+                                   jnp.vdot(estimate, extra)
+                                   / safe(e_norm * x_norm), 0.0),
+          'history_sim': mean_sel(sim),
+          'history_age': mean_sel(age.astype(jnp.float32))}
+
 def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
            beta: float = 0.9, alpha: float = 0.2, sim_min: float = 0.5,
            tau_max: int = 10, eps: float = 0.5, min_samples: int = 2,
@@ -189,7 +220,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
   Returns:
     Aggregator reading `ids`, `staleness` and `coverage`. info: 'weights'
     (1/n per kept arrival, 0 if excluded), 'suspicion', 'flagged',
-    'history_selected' (count), 'detected', 'recovered', 'replayed'
+    'history_selected' (count) with 'history_share', 'history_cos',
+    'history_sim' and 'history_age' (`_history_info`), 'detected',
+    'recovered', 'replayed'
     (rounds replayed), 'recovery_shift' (||what_j - w_j||),
     'recovery_overflow', and per arrival 'staleness', 'coverage' (share
     of the model it trained), 'update_norm' (||gbar_i||) and
@@ -309,11 +342,13 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     # A client banned in this round (a recovery's trigger).
     newly = valid & new_banned.at[ids].get(mode='fill', fill_value=False)
     estimate = fc.aggregate_slots(cache, ids, keep, alpha=alpha)
-    gtilde, selected, _ = fc.select_history(
+    gtilde, selected, sim = fc.select_history(
         cache, ids, keep, estimate, round_=round_, sim_min=sim_min,
         tau_max=tau_max, alpha=alpha, beta=beta,
         excluded=new_banned | (strikes > 0))
     g = estimate + alpha * gtilde
+    history_info = _history_info(estimate, alpha * gtilde, selected, sim,
+                                 round_ - cache.last)
     record, base = state.record, state.base
     hist = state.history
     recovered = jnp.bool_(False)
@@ -365,7 +400,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     info = {'weights': jnp.where(keep, 1.0 / n_keep, 0.0).astype(jnp.float32),
             'suspicion': scores.astype(jnp.float32),
             'flagged': flagged & valid,
-            'history_selected': jnp.sum(selected).astype(jnp.float32),
+            **history_info,
             'detected': detected,
             'recovered': jnp.asarray(recovered, jnp.float32),
             'replayed': jnp.asarray(replayed, jnp.float32),
