@@ -166,9 +166,11 @@ class MultiProcessTest(absltest.TestCase):
     test set's batches and the clients' local tests over the mesh, which
     here spans two processes: each evaluates its share, and the metrics
     rows (global, local and personal accuracy) are the single process's
-    on two devices."""
+    on two devices. Batches of 40 cut the 100 test examples into 3
+    batches, so `rebatch` pads them to 4 for the two devices."""
     tmp, data_dir = self._data()
-    overrides = json.dumps({'local_test_fraction': 0.25, 'num_rounds': 1})
+    overrides = json.dumps({'local_test_fraction': 0.25, 'num_rounds': 1,
+                            'eval_batch_size': 40})
     self._single_process(tmp, data_dir, FEDROBUST_MP_OVERRIDES=overrides,
                          FEDROBUST_MP_WORKDIR=os.path.join(tmp, 'one'))
     self._two_processes(tmp, data_dir, 'eval',

@@ -149,7 +149,6 @@ def _compact(keep: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
   return order, kept
 
 
-
 def _history_info(estimate: jax.Array, extra: jax.Array, selected: jax.Array,
                   sim: jax.Array, age: jax.Array) -> dict[str, jax.Array]:
   """How much Eq. 8's historical term alpha g~ moved a round's step.
@@ -176,9 +175,10 @@ def _history_info(estimate: jax.Array, extra: jax.Array, selected: jax.Array,
           'history_share': jnp.where(e_norm > 0, x_norm / safe(e_norm), 0.0),
           'history_cos': jnp.where((e_norm > 0) & (x_norm > 0),
                                    jnp.vdot(estimate, extra)
-                                   / safe(e_norm * x_norm), 0.0),
+                                   / safe(e_norm) / safe(x_norm), 0.0),
           'history_sim': mean_sel(sim),
           'history_age': mean_sel(age.astype(jnp.float32))}
+
 
 def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
            beta: float = 0.9, alpha: float = 0.2, sim_min: float = 0.5,
