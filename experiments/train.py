@@ -628,8 +628,9 @@ class Evaluator:
   (engine.evaluate.evaluations): the global and triggered sets' batches,
   and the clients of the local test splits, each device evaluating its
   share once instead of every device evaluating everything. Under
-  several processes each process places only its own share of the
-  local test splits.
+  several processes each process sends only its own share of the local
+  test splits to its devices; the host copies (the stacked sets, padding
+  and re-cut batches) are still built whole on every process.
   """
 
   def __init__(self, program: Program, put, eval_batch_size: int,
