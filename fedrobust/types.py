@@ -199,10 +199,13 @@ class Method(NamedTuple):
       -> (global_params tuple, method_state, info). info['weights'], when
       present, is a tuple over cohorts of float32[P_j] aggregation weights
       (0 for an excluded client); the round turns it into detection
-      metrics. Scalar info entries are logged.
+      metrics. Scalar info entries are logged. A method whose `provides`
+      holds 'retrain' also takes the keyword retrain= (the engine's
+      client-retraining hook, aggregators.base) and hands it to its rule.
   eval_models(state) -> tuple[EvalModel, ...] (host side, eager).
   provides: the keyword extras this method can hand an aggregator
-      ('weights', 'ids', 'coverage', 'staleness', 'scores', 'params').
+      ('weights', 'ids', 'coverage', 'staleness', 'scores', 'params',
+      'losses', 'retrain').
   client_setup, server_setup: optional one-off step before round 1
       (engine.round.make_setup_step), e.g. each client's local warm-up
       into a private backbone. client_setup(j, broadcast, client_state,

@@ -324,6 +324,56 @@ class ModelAttackHookTest(absltest.TestCase):
                                  new_state.params[0]['w']))
 
 
+class RetrainHookTest(absltest.TestCase):
+  """The 'retrain' extra (FedHAN's exact replay rounds) trains the named
+  clients from the values it is given, on their own data, and applies the
+  model attack to undetected attackers."""
+
+  def test_retrain_from_other_values_matches_numpy(self):
+    from fedrobust import attacks  # pylint: disable=g-import-not-at-top
+    model = linear_model()
+    counts, n_max = [5, 3, 4], 5
+    data = toy_data(counts, n_max, seed=3)
+    shift = 0.2
+
+    def aggregate(updates, mask, state, key, *, weights, params, retrain):
+      del updates, key
+      moved = jax.tree.map(lambda p: p + shift, params)
+      # Slots reversed: the hook follows the ids, not the round's slots.
+      order = jnp.arange(mask.shape[0])[::-1]
+      ids = jnp.arange(mask.shape[0], dtype=jnp.int32)[order]
+      deltas, coverage = retrain(moved, ids, mask[order], jnp.int32(5))
+      w = weights[order] / jnp.sum(weights)
+      update = jax.tree.map(lambda d: jnp.tensordot(w, d, 1), deltas)
+      return update, state, {'no_coverage': jnp.float32(coverage is None)}
+
+    probe = aggregators.Aggregator(aggregators.stateless_init, aggregate,
+                                   reads=('weights', 'params', 'retrain'))
+    method = fedavg_method(model, batch_size=n_max, epochs=2, n_max=n_max,
+                           lr=0.5, num_clients=3, aggregator=probe)
+    state = engine.init_server_state(method, model.init(jax.random.key(0)),
+                                     3, seed=0)
+    threat = engine.Threat(
+        malicious=jnp.array([False, True, False]), num_malicious=1,
+        model_attack=attacks.get_model_attack('sign_flip').apply)
+    step = engine.make_round_step(method, engine.RoundConfig(
+        num_clients=3, clients_per_round=3, strategy='vmap'), threat=threat)
+    new_state, metrics = jax.jit(step)(state, data, ())
+    moved = jax.tree.map(lambda p: np.asarray(p, np.float64) + shift,
+                         state.params[0])
+    expected = jax.tree.map(np.asarray, state.params[0])
+    for c, sign in zip(range(3), (1.0, -1.0, 1.0)):
+      one = FederatedData(data.x[c:c + 1], data.y[c:c + 1],
+                          data.count[c:c + 1])
+      after = numpy_fedavg_round(moved, one, lr=0.5, epochs=2)
+      expected = jax.tree.map(
+          lambda e, a, m: e + sign * counts[c] / sum(counts) * (a - m),
+          expected, after, moved)
+    chex.assert_trees_all_close(new_state.params[0], expected, rtol=1e-4,
+                                atol=1e-6)
+    self.assertEqual(float(metrics['no_coverage']), 1.0)
+
+
 class CohortRoundTest(absltest.TestCase):
   """Two architectures in one compiled round (FedAvg, shared head)."""
 

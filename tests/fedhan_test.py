@@ -558,6 +558,71 @@ class RecoveryTest(absltest.TestCase):
     np.testing.assert_allclose(fc.decode(state.cache.gbar)[0], d, rtol=1e-2)
     np.testing.assert_allclose(moved, 5 * d, rtol=2e-2)
 
+  def quadratic_run(self, **kwargs):
+    """Four benign clients take a gradient step lr (c_i - w) toward their
+    own optimum c_i; two attackers send a fixed 3-vector. Detection may
+    flag from round 4, so rounds 1-3 take the attackers in. The fake
+    `retrain` hook computes a benign client's step from the model it is
+    given (an attacker's is never asked for: banned). Returns the final
+    model, the infos and the hook's calls."""
+    n, dim, lr = 6, 4, 0.3
+    rng = np.random.default_rng(7)
+    c = (np.array([1.0, -2.0, 0.5, 1.5]) +
+         0.05 * rng.normal(size=(4, dim))).astype(np.float32)
+    bad = np.full((2, dim), 3.0, np.float32)
+    calls = []
+
+    def retrain(values, ids, mask, salt):
+      calls.append(salt)
+      w = values['w']
+      cc = jnp.asarray(np.concatenate([c, bad]))[ids]
+      steps = lr * (cc - w[None])
+      return {'w': steps}, None
+
+    agg = get_aggregator('fedhan', num_clients=n, detect_start=4,
+                         rollback=3, recovery_slots=8, history=8, **kwargs)
+    ids = jnp.arange(n, dtype=jnp.int32)
+    step = jax.jit(lambda w, st: call_aggregator(
+        agg, {'w': jnp.concatenate([lr * (jnp.asarray(c) - w[None]),
+                                    jnp.asarray(bad)])},
+        jnp.ones(n, bool), st, jax.random.key(0), ids=ids,
+        staleness=jnp.zeros(n, jnp.int32), coverage=None,
+        params={'w': w}, retrain=retrain))
+    state = agg.init({'w': jnp.zeros((dim,))})
+    w, infos = jnp.zeros((dim,)), []
+    for _ in range(4):
+      out, state, info = step(w, state)
+      w = w + out['w']
+      infos.append(jax.tree.map(np.asarray, info))
+    # The benign clients alone for 4 rounds (full width, no staleness, no
+    # historical candidates: Eq. 5-6 is their plain mean).
+    ref = np.zeros(dim, np.float32)
+    for _ in range(4):
+      ref = ref + lr * (c.mean(0) - ref)
+    return np.asarray(w), ref, infos, calls
+
+  def test_exact_rounds_replay_the_benign_trajectory(self):
+    """With every replayed round exact (T_w = m), or T_c = 2 (round 2 of 3
+    exact), the exact rounds' (Delta w, Delta g) pair gives L-BFGS the true
+    Hessian of this quadratic (lr I), so the recovered model is the benign
+    clients' own 4-round trajectory; the estimated replay (trajectory
+    pairs) is not."""
+    for kwargs, exact_rounds in ((dict(exact_warmup=3), 3),
+                                 (dict(exact_every=2), 1)):
+      w, ref, infos, calls = self.quadratic_run(**kwargs)
+      self.assertEqual([float(i['recovered']) for i in infos], [0, 0, 0, 1])
+      self.assertEqual(float(infos[3]['recovery_exact_rounds']),
+                       exact_rounds)
+      # Each exact round retrains the 4 benign clients.
+      self.assertEqual(float(infos[3]['recovery_client_rounds']),
+                       4 * exact_rounds)
+      self.assertLen(calls, 1)   # traced once, inside the replay's loop
+      np.testing.assert_allclose(w, ref, rtol=1e-5, atol=1e-6)
+    w0, ref0, infos0, _ = self.quadratic_run()
+    self.assertEqual(float(infos0[3]['recovered']), 1.0)
+    self.assertEqual(float(infos0[3]['recovery_client_rounds']), 0.0)
+    self.assertGreater(np.abs(w0 - ref0).max(), 1e-3)
+
   def test_correction_never_moves_the_replay_further_away(self):
     rng = np.random.default_rng(4)
     for _ in range(50):
@@ -589,7 +654,9 @@ class RecoveryTest(absltest.TestCase):
     for kwargs, name in ((dict(rollback=4, history=5), 'history'),
                          (dict(cache_dtype='int8'), 'cache_dtype'),
                          (dict(detect_start=0), 'detect_start'),
-                         (dict(ban_after=0), 'ban_after')):
+                         (dict(ban_after=0), 'ban_after'),
+                         (dict(exact_warmup=2), 'exact_warmup'),
+                         (dict(rollback=2, exact_every=-1), 'exact_every')):
       with self.assertRaisesRegex(ValueError, name):
         get_aggregator('fedhan', num_clients=3, **kwargs)
 

@@ -314,12 +314,15 @@ class EndToEndTest(IdxDataTestCase):
     """FedHAN on width-sliced, delayed clients under an attack, with
     recovery on: its per-client cache, update history, bans and recovery
     record are checkpointed, so a run SIGKILLed after a checkpoint and
-    resumed ends on the straight run's parameters."""
+    resumed ends on the straight run's parameters. A recovery happens,
+    and its first replayed round is exact (the clients retrain inside the
+    compiled round)."""
     config = base_config(
         self.data_dir, self.create_tempdir().full_path, method='fedhan',
         transform='width', width_ratios='1,0.5', client_delay='uniform:1',
-        clients_per_round=0, attack='fang_trim', malicious_fraction=0.25,
-        attack_start_round=1, fedhan_rollback=2, num_rounds=6)
+        clients_per_round=0, attack='sign_flip', malicious_fraction=0.25,
+        attack_start_round=1, fedhan_rollback=2, fedhan_exact_warmup=1,
+        num_rounds=6)
     straight = train.run(dict(config, checkpoint_every=6))
     self.assertEqual(straight['resolved']['aggregator'], 'fedhan')
     workdir = self.create_tempdir().full_path
@@ -333,6 +336,10 @@ class EndToEndTest(IdxDataTestCase):
       self.assertIn('recovered', row)
       self.assertIn('suspicion', row['clients'])
       self.assertTrue(np.isfinite(row['test_accuracy']))
+    # Round 4 bans the attacker and replays rounds 2-3; round 2 is exact
+    # and retrains its 3 kept arrivals.
+    self.assertEqual([(r['recovered'], r['recovery_client_rounds'])
+                      for r in rows if r['replayed']], [(1.0, 3.0)])
 
   def test_fedhan_without_recovery_checkpoints(self):
     # --fedhan_rollback=0 keeps no recovery record; a zero-size one made

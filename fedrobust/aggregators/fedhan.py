@@ -41,11 +41,23 @@ with H v the L-BFGS product (fldetector.lbfgs_hvp) from pairs of the
 recorded trajectory (s_t = applied update t, y_t = applied update t minus
 applied update t + 1: the change of the descent direction, in the delta
 convention). The round returns (what_j - w_j) + ghat_j, which moves the
-model to the replayed trajectory. No client computes anything during the
-replay (the paper's exact warm-up and periodic exact rounds, T_w and T_c,
-are 0 and never here: the following rounds are the exact ones). The
-correction is scaled so it never moves the replay away from the recorded
-model (`safe_step`). After a recovery the record before it is dropped: a
+model to the replayed trajectory. The correction is scaled so it never
+moves the replay away from the recorded model (`safe_step`).
+
+Exact rounds (Sec. 3.5.4 and 4.1's O(T_w + (m - T_w) / T_c) extra client
+rounds). With `exact_warmup` = T_w and `exact_every` = T_c, replayed
+rounds r = 0 .. T_w - 1 and then every T_c-th one are exact: the engine's
+`retrain` extra trains that round's kept clients from the replayed model
+what_t (the same clients, their own data, width and poisoning if they are
+undetected attackers), their new update replaces the stored one on its
+mask (the rest stays the stored imputation, Eq. 3), and the round takes no
+L-BFGS correction. Each exact round also stores the paper's buffer pair
+(Delta w_t, Delta g_t) = (what_t - w_t, gbar_t(w_t) - gbar_t(what_t)), over
+the same kept rows; with exact rounds on, the L-BFGS product of the
+estimated rounds uses these pairs (the paper's Delta W, Delta G) instead of
+the trajectory's, and is 0 before the first exact round. Without exact
+rounds (the default, T_w = 0 and T_c = 0) no client computes anything
+during the replay, and the rounds after the recovery are the exact ones. After a recovery the record before it is dropped: a
 later recovery replays only the rounds since, and its L-BFGS pairs too.
 
 The update returned is in the engine's delta convention (client - server,
@@ -78,7 +90,7 @@ from fedrobust.aggregators.finetune import first_client, ravel_one
 from fedrobust.aggregators.fldetector import lbfgs_hvp
 from fedrobust.aggregators.mean import setting
 from fedrobust.aggregators import fedhan_cache as fc
-from fedrobust.tree import unravel_like
+from fedrobust.tree import ravel_clients, unravel_like
 
 CACHE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -185,7 +197,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
            tau_max: int = 10, eps: float = 0.5, min_samples: int = 2,
            detect: bool = True, detect_start: int = 1, history: int = 16,
            rollback: int = 0, recovery_slots: int = 16,
-           cache_dtype: str = 'float32', ban_after: int = 1) -> Aggregator:
+           cache_dtype: str = 'float32', ban_after: int = 1,
+           exact_warmup: int = 0, exact_every: int = 0) -> Aggregator:
   """FedHAN's imputation, historical selection, detection and recovery.
 
   Args:
@@ -216,6 +229,11 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       round"); 1 bans at the first flag. A client flagged at least once is
       no longer a candidate of the historical selection (its cached row
       may hold the flagged upload).
+    exact_warmup: T_w, the first replayed rounds in which the clients
+      compute exact updates (needs rollback; the rule then reads the
+      'params' and 'retrain' extras).
+    exact_every: T_c, after the warm-up every T_c-th replayed round is
+      exact (0: none).
 
   Returns:
     Aggregator reading `ids`, `staleness` and `coverage`. info: 'weights'
@@ -224,7 +242,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     'history_sim' and 'history_age' (`_history_info`), 'detected',
     'recovered', 'replayed'
     (rounds replayed), 'recovery_shift' (||what_j - w_j||),
-    'recovery_overflow', and per arrival 'staleness', 'coverage' (share
+    'recovery_overflow', 'recovery_exact_rounds' and
+    'recovery_client_rounds' (client trainings the replay asked for), and per arrival 'staleness', 'coverage' (share
     of the model it trained), 'update_norm' (||gbar_i||) and
     'global_norm' (||gchk_i||), both 0 if excluded.
   """
@@ -245,15 +264,29 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                            recovery_slots >= 1),
                           ('cache_dtype', cache_dtype,
                            cache_dtype in CACHE_DTYPES),
-                          ('ban_after', ban_after, ban_after >= 1)):
+                          ('ban_after', ban_after, ban_after >= 1),
+                          ('exact_warmup', exact_warmup, exact_warmup >= 0),
+                          ('exact_every', exact_every, exact_every >= 0)):
     if not ok:
       raise setting('fedhan', name, f'out of range: {value!r}')
   if rollback and history < rollback + 2:
     raise setting('fedhan', 'history', f'must be >= rollback + 2 = '
                   f'{rollback + 2} (the replay reads {rollback + 1} '
                   f'applied updates), got {history}')
+  exact = bool(exact_warmup or exact_every)
+  if exact and not rollback:
+    raise setting('fedhan', 'exact_warmup' if exact_warmup else
+                  'exact_every', 'exact replay rounds need a recovery '
+                  '(rollback >= 1)')
   dtype = CACHE_DTYPES[cache_dtype]
   m = rollback
+
+  def is_exact(r):
+    """Whether replayed round r (0 .. m - 1) is exact."""
+    late = r - exact_warmup + 1
+    return (r < exact_warmup) | (
+        (exact_every > 0) & (late > 0) &
+        (jnp.mod(late, max(exact_every, 1)) == 0))
 
   def init(params):
     d = ravel_one(params).shape[0]
@@ -270,9 +303,12 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     ok = (t >= 1) & (t > state.round - history)
     return jnp.where(ok, state.history[jnp.mod(t, history)], 0.0), ok
 
-  def replay(state, banned, round_):
-    """Sec. 3.5.4: (what_j - w_j, rounds replayed, the pairs' HVP)."""
+  def replay(state, banned, round_, params=None, retrain=None):
+    """Sec. 3.5.4: (what_j - w_j, rounds replayed, the pairs' HVP, client
+    trainings, exact rounds)."""
     rec = state.record
+    d = state.history.shape[1]
+    ones = jnp.ones(rec.gbar.shape[1:], bool)
     # L-BFGS pairs from the recorded trajectory: rounds t = j-m-1 .. j-2,
     # oldest first (s_t = u_t, y_t = u_t - u_{t+1}).
     ts = round_ - m - 1 + jnp.arange(m)
@@ -281,28 +317,70 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     s_pairs, y_pairs = u, u - u_next
     sy = jnp.sum(s_pairs * y_pairs, axis=1)
     present = ok & ok_next & (ts > state.base) & (sy > 0)
-    hvp = lambda v: safe_step(v, lbfgs_hvp(s_pairs, y_pairs, present, v))
+    pairs = (s_pairs, y_pairs, present)
+    if exact:   # the exact rounds' (Delta w, Delta g) pairs, filled below
+      pairs = (jnp.zeros((m, d), jnp.float32), jnp.zeros((m, d), jnp.float32),
+               jnp.zeros((m,), bool))
+      flat_params = ravel_one(params)
+    hvp_of = lambda p: (lambda v: safe_step(v, lbfgs_hvp(*p, v)))
 
     def step(r, carry):
-      delta, n = carry
+      delta, n, carried, behind, clients, exact_n = carry
+      pairs_now = carried if exact else pairs
       t = round_ - m + r
       row = jnp.mod(t, m)
       live = (rec.round[row] == t) & (t > state.base)
       keep = rec.kept[row] & ~banned.at[rec.ids[row]].get(
           mode='fill', fill_value=True)
-      agg = fc.weighted(rec.gbar[row], rec.weight[row],
-                        jnp.ones(rec.gbar.shape[1:], bool), keep, alpha)
-      ghat = agg + alpha * rec.gtilde[row] - hvp(delta)
+      agg = fc.weighted(rec.gbar[row], rec.weight[row], ones, keep, alpha)
       u_t, _ = applied(state, t)
-      return (jnp.where(live, delta + ghat - u_t, delta),
-              n + live.astype(jnp.int32))
+      if not exact:   # pairs stay the trajectory's (closed over)
+        ghat = agg + alpha * rec.gtilde[row] - hvp_of(pairs)(delta)
+        return (jnp.where(live, delta + ghat - u_t, delta),
+                n + live.astype(jnp.int32), (), behind, clients, exact_n)
 
-    delta0 = jnp.zeros(state.history.shape[1:], jnp.float32)
-    delta, n = jax.lax.fori_loop(0, m, step, (delta0, jnp.int32(0)))
-    return delta, n, hvp
+      def exact_update():
+        # what_t = w_t + delta, w_t = w_j - (u_t + ... + u_{j-1}).
+        model = unravel_like(flat_params - behind + delta, params)
+        new, cov = retrain(model, rec.ids[row], keep, t)
+        new = ravel_clients(new)
+        cov = ones if cov is None else ravel_clients(cov) > 0
+        rows = jnp.where(cov, new, fc.decode(rec.gbar[row]))
+        g = fc.weighted(rows, rec.weight[row], ones, keep, alpha)
+        y = agg - g
+        # Appended as the newest pair (last row, as lbfgs_hvp needs) when
+        # it has positive curvature; otherwise the buffer is unchanged.
+        fresh = jnp.vdot(delta, y) > 0
+        push = lambda a, v: jnp.where(
+            fresh, jnp.concatenate([a[1:], v[None]]), a)
+        s_p, y_p, ok_p = pairs_now
+        pairs_ = (push(s_p, delta), push(y_p, y), push(ok_p, fresh))
+        return g, pairs_, jnp.sum(keep).astype(jnp.int32), jnp.int32(1)
+
+      def estimated():
+        return (agg - hvp_of(pairs_now)(delta), pairs_now, jnp.int32(0),
+                jnp.int32(0))
+
+      g, pairs_, trained, once = jax.lax.cond(live & is_exact(r),
+                                              exact_update, estimated)
+      ghat = g + alpha * rec.gtilde[row]
+      return (jnp.where(live, delta + ghat - u_t, delta),
+              n + live.astype(jnp.int32), pairs_, behind - u_t,
+              clients + trained, exact_n + once)
+
+    delta0 = jnp.zeros((d,), jnp.float32)
+    behind = jnp.zeros((d,), jnp.float32)
+    if exact:   # u_{j-m} + ... + u_{j-1}: w_j - w_{j-m}
+      behind = jnp.sum(jax.vmap(lambda t: applied(state, t)[0])(
+          round_ - m + jnp.arange(m)), axis=0)
+    zero = jnp.int32(0)
+    delta, n, carried, _, clients, exact_n = jax.lax.fori_loop(
+        0, m, step, (delta0, zero, pairs if exact else (), behind, zero,
+                     zero))
+    return delta, n, hvp_of(carried if exact else pairs), clients, exact_n
 
   def aggregate(updates, mask, state, key, *, ids, staleness,
-                coverage=None):
+                coverage=None, params=None, retrain=None):
     del key
     ids = jnp.asarray(ids, jnp.int32)
     mask = jnp.asarray(mask, bool)
@@ -355,19 +433,23 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     shift = jnp.float32(0.0)
     replayed = jnp.int32(0)
     overflow = jnp.float32(0.0)
+    clients = exact_n = jnp.int32(0)
     if m:
       recovered = jnp.any(newly)
 
       def recover():
-        delta, n, hvp = replay(state, new_banned, round_)
+        delta, n, hvp, clients, exact_n = replay(state, new_banned, round_,
+                                                 params, retrain)
         ghat = g - hvp(delta)
         return (delta + ghat, n, jnp.linalg.norm(delta),
-                hist.at[jnp.mod(round_, history)].set(ghat))
+                hist.at[jnp.mod(round_, history)].set(ghat), clients,
+                exact_n)
 
-      out, replayed, shift, hist = jax.lax.cond(
+      out, replayed, shift, hist, clients, exact_n = jax.lax.cond(
           recovered, recover,
           lambda: (g, jnp.int32(0), jnp.float32(0.0),
-                   hist.at[jnp.mod(round_, history)].set(g)))
+                   hist.at[jnp.mod(round_, history)].set(g), jnp.int32(0),
+                   jnp.int32(0)))
       order, kept = _compact(keep, recovery_slots)
       row = jnp.mod(round_, m)
       # The first S kept arrivals' rows, read back from the cache; rows
@@ -406,6 +488,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
             'replayed': jnp.asarray(replayed, jnp.float32),
             'recovery_shift': jnp.asarray(shift, jnp.float32),
             'recovery_overflow': overflow,
+            'recovery_exact_rounds': jnp.asarray(exact_n, jnp.float32),
+            'recovery_client_rounds': jnp.asarray(clients, jnp.float32),
             # Per arrival, for diagnosing the scores.
             'staleness': jnp.where(mask, tau, 0).astype(jnp.float32),
             'coverage': share,
@@ -416,4 +500,6 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
             'global_norm': jnp.where(keep, global_norms, 0.0)}
     return unravel_like(out, first_client(updates)), new_state, info
 
-  return Aggregator(init, aggregate, reads=('ids', 'staleness', 'coverage'))
+  reads = ('ids', 'staleness', 'coverage')
+  return Aggregator(init, aggregate, reads=reads + (('params', 'retrain')
+                                                     if exact else ()))

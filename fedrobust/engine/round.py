@@ -728,6 +728,45 @@ def make_round_step(method: Method, config: RoundConfig, *,
                            live), (broadcast, data, server_data))
     return one_client
 
+  def retrainer(state, data, server_data, now, key, threat_key, attack_key):
+    """The 'retrain' extra: clients `ids` of the (only) cohort trained from
+    `values` in place of its global params, as in a round of their own:
+    their data, width spec and, for undetected attackers, their poisoning
+    and model attack (a stateful attack is not rerun). Keys: the client id
+    folded into `key` folded with `salt`."""
+    def retrain(values, ids, mask, salt):
+      if len(cohorts) != 1:
+        raise SettingError('aggregator', 'a rule that retrains clients '
+                           '(FedHAN exact replay rounds) runs on one cohort; '
+                           f'this federation has {len(cohorts)}')
+      if config.block < config.num_clients:
+        raise SettingError('client_data', 'a rule that retrains recorded '
+                           'clients (FedHAN exact replay rounds) needs '
+                           'replicated client data')
+      ids = jnp.asarray(ids, jnp.int32)
+      mask = jnp.asarray(mask, bool)
+      if threat is None or threat.absent:
+        is_mal = jnp.zeros(ids.shape, bool)
+        rank = jnp.zeros(ids.shape, jnp.int32)
+      else:
+        is_mal, rank = malicious_slots(threat_key, ids, mask, threat,
+                                       config.num_clients, now)
+      salted = jax.random.fold_in(key, salt)
+      keys = jax.vmap(lambda i: jax.random.key_data(
+          jax.random.fold_in(salted, i)))(ids)
+      broadcast = method.broadcast(state._replace(params=(values,)), 0)
+      outputs = run_clients(
+          client_fn(0),
+          (ids, keys, method.client_state(state.method_state, 0, ids),
+           is_mal, rank, mask), (broadcast, data, server_data),
+          strategy=config.strategy, chunk_size=config.chunk_size, mesh=mesh,
+          shared_specs=shared_specs)
+      if threat is not None and threat.model_attack is not None:
+        outputs = _attack(outputs, threat, is_mal, mask,
+                          jax.random.fold_in(attack_key, salt))
+      return outputs.delta, outputs.coverage
+    return retrain
+
   def round_step(state: ServerState, data: FederatedData,
                  server_data: PyTree = ()):
     key = jax.random.wrap_key_data(state.key)
@@ -858,8 +897,13 @@ def make_round_step(method: Method, config: RoundConfig, *,
                                staleness))
       arrival_mal.append(buffer.is_malicious & arriving)
 
+    hooks = {}
+    if 'retrain' in method.provides:
+      hooks['retrain'] = retrainer(state, data, server_data, now,
+                                   jax.random.fold_in(sample_key, 0x4E7A),
+                                   threat_key, attack_key)
     params, method_state, info = on_mesh(method.server_update, mesh)(
-        state, tuple(arrivals), server_key, server_data)
+        state, tuple(arrivals), server_key, server_data, **hooks)
 
     metrics = {}
     names = sorted(set().union(*(o.metrics for o, _ in computed)))

@@ -76,12 +76,13 @@ def server_step(params: Params, update: Params, server_lr: float) -> Params:
 
 
 def aggregate_and_step(aggregation, params: tuple, arrivals, agg_state,
-                       key, server_lr: float):
+                       key, server_lr: float, **more):
   """A cohort method's server round: aggregate every cohort's arrivals,
   then take the server step per cohort. Returns (params, agg_state, info).
+  `more`: further aggregator extras (the engine's 'retrain').
   """
   update, agg_state, info = aggregation.aggregate(params, arrivals,
-                                                  agg_state, key)
+                                                  agg_state, key, **more)
   return (tuple(server_step(p, u, server_lr) for p, u in zip(params, update)),
           agg_state, info)
 

@@ -161,11 +161,12 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
                       for c, (_, _, outputs) in zip(cohorts, results))
     return state.method_state._replace(backbones=backbones)
 
-  def server_update(state, arrivals, key, server_data):
+  def server_update(state, arrivals, key, server_data, retrain=None):
     del server_data
+    more = {} if retrain is None else {'retrain': retrain}
     params, agg_state, info = aggregate_and_step(
         aggregation, state.params, arrivals, state.method_state.agg, key,
-        server_lr)
+        server_lr, **more)
     return params, state.method_state._replace(agg=agg_state), info
 
   def eval_models(state):
@@ -184,7 +185,8 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
   return Method(name, init, broadcast, client_state, client_update,
                 server_update, eval_models,
                 provides=frozenset({'weights', 'ids', 'coverage',
-                                    'staleness', 'params', 'losses'}),
+                                    'staleness', 'params', 'losses',
+                                    'retrain'}),
                 client_setup=client_setup if private else None,
                 server_setup=server_setup if private else None)
 

@@ -48,6 +48,11 @@ FEDHAN_SETTINGS = (
             'detected; 0 turns recovery off.'),
     Setting('recovery_slots', 16, 'Kept arrivals stored per round for the '
             'recovery replay.'),
+    Setting('exact_warmup', 0, 'T_w: the first replayed rounds of a '
+            'recovery in which the kept clients retrain from the replayed '
+            'model (exact updates, Sec. 3.5.4); 0: none.'),
+    Setting('exact_every', 0, 'T_c: after the warm-up, every T_c-th '
+            'replayed round is exact; 0: none.'),
     Setting('cache_dtype', 'float32', 'Storage type of the per-client cache '
             'and the recovery record.', choices=tuple(CACHE_DTYPES)),
 )
