@@ -613,10 +613,11 @@ class RecoveryTest(absltest.TestCase):
       self.assertEqual([float(i['recovered']) for i in infos], [0, 0, 0, 1])
       self.assertEqual(float(infos[3]['recovery_exact_rounds']),
                        exact_rounds)
-      # Each exact round retrains the 4 benign clients.
+      # Each exact round retrains the 4 benign clients twice: from the
+      # replayed model and from the recorded one (the pair's same batches).
       self.assertEqual(float(infos[3]['recovery_client_rounds']),
-                       4 * exact_rounds)
-      self.assertLen(calls, 1)   # traced once, inside the replay's loop
+                       8 * exact_rounds)
+      self.assertLen(calls, 2)   # traced once each, inside the replay
       np.testing.assert_allclose(w, ref, rtol=1e-5, atol=1e-6)
     w0, ref0, infos0, _ = self.quadratic_run()
     self.assertEqual(float(infos0[3]['recovered']), 1.0)

@@ -52,8 +52,13 @@ what_t (the same clients, their own data, width and poisoning if they are
 undetected attackers), their new update replaces the stored one on its
 mask (the rest stays the stored imputation, Eq. 3), and the round takes no
 L-BFGS correction. Each exact round also stores the paper's buffer pair
-(Delta w_t, Delta g_t) = (what_t - w_t, gbar_t(w_t) - gbar_t(what_t)), over
-the same kept rows; with exact rounds on, the L-BFGS product of the
+(Delta w_t, Delta g_t) = (what_t - w_t, gbar_t(w_t, xi) - gbar_t(what_t,
+xi)) over the same kept rows. Eq. 10 takes both updates on the same
+batches xi; the stored update's batches are not kept, so the clients also
+retrain from w_t with the keys of their retraining from what_t (two
+trainings per client and exact round; with fresh batches the pair was
+sampling noise, BUILD_NOTES §3d "Session 35"). With exact rounds on, the
+L-BFGS product of the
 estimated rounds uses these pairs (the paper's Delta W, Delta G) instead of
 the trajectory's, and is 0 before the first exact round. Without exact
 rounds (the default, T_w = 0 and T_c = 0) no client computes anything
@@ -340,14 +345,22 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                 n + live.astype(jnp.int32), (), behind, clients, exact_n)
 
       def exact_update():
-        # what_t = w_t + delta, w_t = w_j - (u_t + ... + u_{j-1}).
-        model = unravel_like(flat_params - behind + delta, params)
-        new, cov = retrain(model, rec.ids[row], keep, t)
-        new = ravel_clients(new)
-        cov = ones if cov is None else ravel_clients(cov) > 0
-        rows = jnp.where(cov, new, fc.decode(rec.gbar[row]))
-        g = fc.weighted(rows, rec.weight[row], ones, keep, alpha)
-        y = agg - g
+        # The kept clients retrain from what_t = w_t + delta, where
+        # w_t = w_j - (u_t + ... + u_{j-1}), and from w_t itself with the
+        # same keys (the same batches xi): Eq. 10's pair Delta g_t =
+        # gbar(what_t, xi) - gbar(w_t, xi) then holds no sampling noise
+        # (the stored update's own xi is not kept).
+        w_t = flat_params - behind
+
+        def rows_from(flat):
+          new, cov = retrain(unravel_like(flat, params), rec.ids[row], keep,
+                             t)
+          cov = ones if cov is None else ravel_clients(cov) > 0
+          rows = jnp.where(cov, ravel_clients(new), fc.decode(rec.gbar[row]))
+          return fc.weighted(rows, rec.weight[row], ones, keep, alpha)
+
+        g = rows_from(w_t + delta)
+        y = rows_from(w_t) - g
         # Appended as the newest pair (last row, as lbfgs_hvp needs) when
         # it has positive curvature; otherwise the buffer is unchanged.
         fresh = jnp.vdot(delta, y) > 0
@@ -355,7 +368,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
             fresh, jnp.concatenate([a[1:], v[None]]), a)
         s_p, y_p, ok_p = pairs_now
         pairs_ = (push(s_p, delta), push(y_p, y), push(ok_p, fresh))
-        return g, pairs_, jnp.sum(keep).astype(jnp.int32), jnp.int32(1)
+        return g, pairs_, 2 * jnp.sum(keep).astype(jnp.int32), jnp.int32(1)
 
       def estimated():
         return (agg - hvp_of(pairs_now)(delta), pairs_now, jnp.int32(0),
