@@ -607,9 +607,14 @@ class RecoveryTest(absltest.TestCase):
     Hessian of this quadratic (lr I), so the recovered model is the benign
     clients' own 4-round trajectory; the estimated replay (trajectory
     pairs) is not."""
-    for kwargs, exact_rounds in ((dict(exact_warmup=3), 3),
-                                 (dict(exact_every=2), 1)):
+    for kwargs, exact_rounds, scored in ((dict(exact_warmup=3), 3, 1),
+                                         (dict(exact_every=2), 1, 0)):
       w, ref, infos, calls = self.quadratic_run(**kwargs)
+      # With T_w = 3, round 2's change is predicted from round 1's pair
+      # (round 0 starts at the recorded model: no pair): exactly, since
+      # the Hessian is lr I. With T_c = 2 no exact round has a pair before.
+      self.assertEqual(float(infos[3]['recovery_lbfgs_scored']), scored)
+      self.assertLess(float(infos[3]['recovery_lbfgs_error']), 1e-4)
       self.assertEqual([float(i['recovered']) for i in infos], [0, 0, 0, 1])
       self.assertEqual(float(infos[3]['recovery_exact_rounds']),
                        exact_rounds)

@@ -56,8 +56,9 @@ L-BFGS correction. Each exact round also stores the paper's buffer pair
 xi)) over the same kept rows. Eq. 10 takes both updates on the same
 batches xi; the stored update's batches are not kept, so the clients also
 retrain from w_t with the keys of their retraining from what_t (two
-trainings per client and exact round; with fresh batches the pair was
-sampling noise, BUILD_NOTES §3d "Session 35"). With exact rounds on, the
+trainings per client and exact round; with fresh batches the pair would
+also hold the sampling difference of two trainings, BUILD_NOTES §3d
+"Session 35"). With exact rounds on, the
 L-BFGS product of the
 estimated rounds uses these pairs (the paper's Delta W, Delta G) instead of
 the trajectory's, and is 0 before the first exact round. Without exact
@@ -247,8 +248,12 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     'history_sim' and 'history_age' (`_history_info`), 'detected',
     'recovered', 'replayed'
     (rounds replayed), 'recovery_shift' (||what_j - w_j||),
-    'recovery_overflow', 'recovery_exact_rounds' and
-    'recovery_client_rounds' (client trainings the replay asked for), and per arrival 'staleness', 'coverage' (share
+    'recovery_overflow', 'recovery_exact_rounds',
+    'recovery_client_rounds' (client trainings the replay asked for),
+    'recovery_lbfgs_error' (over the exact rounds that had an L-BFGS pair
+    before them, their count 'recovery_lbfgs_scored': the mean of
+    ||Delta g - H Delta w|| / ||Delta g||, how well the pairs predicted the
+    exact change; 1 is no better than no correction), and per arrival 'staleness', 'coverage' (share
     of the model it trained), 'update_norm' (||gbar_i||) and
     'global_norm' (||gchk_i||), both 0 if excluded.
   """
@@ -310,7 +315,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
 
   def replay(state, banned, round_, params=None, retrain=None):
     """Sec. 3.5.4: (what_j - w_j, rounds replayed, the pairs' HVP, client
-    trainings, exact rounds)."""
+    trainings, exact rounds, the mean L-BFGS error of the exact rounds that
+    had a pair before them, and their count)."""
     rec = state.record
     d = state.history.shape[1]
     ones = jnp.ones(rec.gbar.shape[1:], bool)
@@ -330,7 +336,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     hvp_of = lambda p: (lambda v: safe_step(v, lbfgs_hvp(*p, v)))
 
     def step(r, carry):
-      delta, n, carried, behind, clients, exact_n = carry
+      delta, n, carried, behind, clients, exact_n, err_sum, err_n = carry
       pairs_now = carried if exact else pairs
       t = round_ - m + r
       row = jnp.mod(t, m)
@@ -342,7 +348,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       if not exact:   # pairs stay the trajectory's (closed over)
         ghat = agg + alpha * rec.gtilde[row] - hvp_of(pairs)(delta)
         return (jnp.where(live, delta + ghat - u_t, delta),
-                n + live.astype(jnp.int32), (), behind, clients, exact_n)
+                n + live.astype(jnp.int32), (), behind, clients, exact_n,
+                err_sum, err_n)
 
       def exact_update():
         # The kept clients retrain from what_t = w_t + delta, where
@@ -361,25 +368,32 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
 
         g = rows_from(w_t + delta)
         y = rows_from(w_t) - g
+        # How well the pairs so far predict this change: ||y - H delta|| /
+        # ||y|| (1: no better than no correction; only with a pair).
+        s_p, y_p, ok_p = pairs_now
+        err = jnp.linalg.norm(y - hvp_of(pairs_now)(delta)) / jnp.maximum(
+            jnp.linalg.norm(y), 1e-30)
+        scored = jnp.any(ok_p)
         # Appended as the newest pair (last row, as lbfgs_hvp needs) when
         # it has positive curvature; otherwise the buffer is unchanged.
         fresh = jnp.vdot(delta, y) > 0
         push = lambda a, v: jnp.where(
             fresh, jnp.concatenate([a[1:], v[None]]), a)
-        s_p, y_p, ok_p = pairs_now
         pairs_ = (push(s_p, delta), push(y_p, y), push(ok_p, fresh))
-        return g, pairs_, 2 * jnp.sum(keep).astype(jnp.int32), jnp.int32(1)
+        return (g, pairs_, 2 * jnp.sum(keep).astype(jnp.int32), jnp.int32(1),
+                jnp.where(scored, err, 0.0), scored.astype(jnp.int32))
 
       def estimated():
         return (agg - hvp_of(pairs_now)(delta), pairs_now, jnp.int32(0),
-                jnp.int32(0))
+                jnp.int32(0), jnp.float32(0.0), jnp.int32(0))
 
-      g, pairs_, trained, once = jax.lax.cond(live & is_exact(r),
-                                              exact_update, estimated)
+      g, pairs_, trained, once, err, scored = jax.lax.cond(
+          live & is_exact(r), exact_update, estimated)
       ghat = g + alpha * rec.gtilde[row]
       return (jnp.where(live, delta + ghat - u_t, delta),
               n + live.astype(jnp.int32), pairs_, behind - u_t,
-              clients + trained, exact_n + once)
+              clients + trained, exact_n + once, err_sum + err,
+              err_n + scored)
 
     delta0 = jnp.zeros((d,), jnp.float32)
     behind = jnp.zeros((d,), jnp.float32)
@@ -387,10 +401,13 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       behind = jnp.sum(jax.vmap(lambda t: applied(state, t)[0])(
           round_ - m + jnp.arange(m)), axis=0)
     zero = jnp.int32(0)
-    delta, n, carried, _, clients, exact_n = jax.lax.fori_loop(
-        0, m, step, (delta0, zero, pairs if exact else (), behind, zero,
-                     zero))
-    return delta, n, hvp_of(carried if exact else pairs), clients, exact_n
+    delta, n, carried, _, clients, exact_n, err_sum, err_n = (
+        jax.lax.fori_loop(0, m, step, (delta0, zero, pairs if exact else (),
+                                       behind, zero, zero, jnp.float32(0.0),
+                                       zero)))
+    err = jnp.where(err_n > 0, err_sum / jnp.maximum(err_n, 1), 0.0)
+    return (delta, n, hvp_of(carried if exact else pairs), clients, exact_n,
+            err, err_n)
 
   def aggregate(updates, mask, state, key, *, ids, staleness,
                 coverage=None, params=None, retrain=None):
@@ -446,23 +463,25 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     shift = jnp.float32(0.0)
     replayed = jnp.int32(0)
     overflow = jnp.float32(0.0)
-    clients = exact_n = jnp.int32(0)
+    clients = exact_n = err_n = jnp.int32(0)
+    lbfgs_err = jnp.float32(0.0)
     if m:
       recovered = jnp.any(newly)
 
       def recover():
-        delta, n, hvp, clients, exact_n = replay(state, new_banned, round_,
-                                                 params, retrain)
+        delta, n, hvp, clients, exact_n, err, err_n = replay(
+            state, new_banned, round_, params, retrain)
         ghat = g - hvp(delta)
         return (delta + ghat, n, jnp.linalg.norm(delta),
                 hist.at[jnp.mod(round_, history)].set(ghat), clients,
-                exact_n)
+                exact_n, err, err_n)
 
-      out, replayed, shift, hist, clients, exact_n = jax.lax.cond(
-          recovered, recover,
-          lambda: (g, jnp.int32(0), jnp.float32(0.0),
-                   hist.at[jnp.mod(round_, history)].set(g), jnp.int32(0),
-                   jnp.int32(0)))
+      (out, replayed, shift, hist, clients, exact_n, lbfgs_err,
+       err_n) = jax.lax.cond(
+           recovered, recover,
+           lambda: (g, jnp.int32(0), jnp.float32(0.0),
+                    hist.at[jnp.mod(round_, history)].set(g), jnp.int32(0),
+                    jnp.int32(0), jnp.float32(0.0), jnp.int32(0)))
       order, kept = _compact(keep, recovery_slots)
       row = jnp.mod(round_, m)
       # The first S kept arrivals' rows, read back from the cache; rows
@@ -503,6 +522,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
             'recovery_overflow': overflow,
             'recovery_exact_rounds': jnp.asarray(exact_n, jnp.float32),
             'recovery_client_rounds': jnp.asarray(clients, jnp.float32),
+            'recovery_lbfgs_error': jnp.asarray(lbfgs_err, jnp.float32),
+            'recovery_lbfgs_scored': jnp.asarray(err_n, jnp.float32),
             # Per arrival, for diagnosing the scores.
             'staleness': jnp.where(mask, tau, 0).astype(jnp.float32),
             'coverage': share,
