@@ -358,7 +358,9 @@ def lora_fair(*, lam: float = 0.01, steps: int = 100, lr: float = 0.01,
       out = set_path(out, path, {'a': f['a'], 'b': b})
     return (out,) + tuple(params[1:]), ms, info
 
-  return method._replace(name='lora_fair', server_update=server_update)
+  # Its own server step takes no client-retraining hook.
+  return method._replace(name='lora_fair', server_update=server_update,
+                         provides=method.provides - {'retrain'})
 
 
 # ----------------------------------------------------------------------------
