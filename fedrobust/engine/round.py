@@ -479,6 +479,21 @@ def malicious_slots(key: jax.Array, ids: jax.Array, mask: jax.Array,
   return is_mal, jnp.maximum(rank, 0).astype(jnp.int32)
 
 
+def slot_attackers(threat: Threat | None, key: jax.Array, ids: jax.Array,
+                   mask: jax.Array, num_clients: int, round_number: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+  """`malicious_slots`, or no attacker without a (present) threat."""
+  if threat is None or threat.absent:
+    return jnp.zeros(ids.shape, bool), jnp.zeros(ids.shape, jnp.int32)
+  return malicious_slots(key, ids, mask, threat, num_clients, round_number)
+
+
+def client_keys(key: jax.Array, ids: jax.Array) -> jax.Array:
+  """Key data per slot: the client id folded into `key`."""
+  return jax.vmap(lambda i: jax.random.key_data(
+      jax.random.fold_in(key, i)))(ids)
+
+
 def detection_counts(weights: jax.Array, is_mal: jax.Array,
                      mask: jax.Array) -> dict[str, jax.Array]:
   """Confusion counts of 'excluded' (weight 0) against 'malicious'."""
@@ -745,15 +760,9 @@ def make_round_step(method: Method, config: RoundConfig, *,
                            'replicated client data')
       ids = jnp.asarray(ids, jnp.int32)
       mask = jnp.asarray(mask, bool)
-      if threat is None or threat.absent:
-        is_mal = jnp.zeros(ids.shape, bool)
-        rank = jnp.zeros(ids.shape, jnp.int32)
-      else:
-        is_mal, rank = malicious_slots(threat_key, ids, mask, threat,
-                                       config.num_clients, now)
-      salted = jax.random.fold_in(key, salt)
-      keys = jax.vmap(lambda i: jax.random.key_data(
-          jax.random.fold_in(salted, i)))(ids)
+      is_mal, rank = slot_attackers(threat, threat_key, ids, mask,
+                                    config.num_clients, now)
+      keys = client_keys(jax.random.fold_in(key, salt), ids)
       broadcast = method.broadcast(state._replace(params=(values,)), 0)
       outputs = run_clients(
           client_fn(0),
@@ -800,15 +809,10 @@ def make_round_step(method: Method, config: RoundConfig, *,
             ids, mask, threat.malicious,
             None if delay is None else busy_until < now)
         ids = jnp.where(now >= threat.start_round, forced, ids)
-      if threat is None or threat.absent:
-        is_mal = jnp.zeros(ids.shape, bool)
-        rank = jnp.zeros(ids.shape, jnp.int32)
-      else:
-        is_mal, rank = malicious_slots(threat_key, ids, mask, threat,
-                                       config.num_clients, now)
+      is_mal, rank = slot_attackers(threat, threat_key, ids, mask,
+                                    config.num_clients, now)
       # A client's key depends on its id and the round, never on its slot.
-      keys = jax.vmap(lambda i: jax.random.key_data(
-          jax.random.fold_in(client_key, i)))(ids)
+      keys = client_keys(client_key, ids)
       if delay is not None:   # the started clients are busy until due
         delays = delay_lib.sample_delays(
             jax.random.fold_in(per_cohort(sample_key, j), 0x5EED), ids,
