@@ -58,13 +58,14 @@ batches xi; the stored update's batches are not kept, so the clients also
 retrain from w_t with the keys of their retraining from what_t (two
 trainings per client and exact round; with fresh batches the pair would
 also hold the sampling difference of two trainings, BUILD_NOTES §3d
-"Session 35"). With exact rounds on, the
-L-BFGS product of the
-estimated rounds uses these pairs (the paper's Delta W, Delta G) instead of
-the trajectory's, and is 0 before the first exact round. Without exact
-rounds (the default, T_w = 0 and T_c = 0) no client computes anything
-during the replay, and the rounds after the recovery are the exact ones. After a recovery the record before it is dropped: a
-later recovery replays only the rounds since, and its L-BFGS pairs too.
+"Session 35"). With exact rounds on, the L-BFGS product of the estimated
+rounds uses these pairs (the paper's Delta W, Delta G) instead of the
+trajectory's, and is 0 before the first exact round. Without exact rounds
+(the default, T_w = 0 and T_c = 0) no client computes anything during the
+replay, and the rounds after the recovery are the exact ones.
+
+After a recovery the record before it is dropped: a later recovery
+replays only the rounds since, and its L-BFGS pairs too.
 
 The update returned is in the engine's delta convention (client - server,
 so FedHAN's "w - eta g" is "w + server_lr * update").
@@ -242,7 +243,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       exact (0: none).
 
   Returns:
-    Aggregator reading `ids`, `staleness` and `coverage`. info: 'weights'
+    Aggregator reading `ids`, `staleness` and `coverage` (with exact
+    rounds also `params` and `retrain`). info: 'weights'
     (1/n per kept arrival, 0 if excluded), 'suspicion', 'flagged',
     'history_selected' (count) with 'history_share', 'history_cos',
     'history_sim' and 'history_age' (`_history_info`), 'detected',
@@ -253,8 +255,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     'recovery_lbfgs_error' (over the exact rounds that had an L-BFGS pair
     before them, their count 'recovery_lbfgs_scored': the mean of
     ||Delta g - H Delta w|| / ||Delta g||, how well the pairs predicted the
-    exact change; 1 is no better than no correction), and per arrival 'staleness', 'coverage' (share
-    of the model it trained), 'update_norm' (||gbar_i||) and
+    exact change; 1 is no better than no correction), and per arrival
+    'staleness', 'coverage' (share of the model it trained), 'update_norm'
+    (||gbar_i||) and
     'global_norm' (||gchk_i||), both 0 if excluded.
   """
   del num_byzantine
