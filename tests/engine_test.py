@@ -334,11 +334,14 @@ class RetrainHookTest(absltest.TestCase):
     model = linear_model()
     counts, n_max = [5, 3, 4], 5
     data = toy_data(counts, n_max, seed=3)
-    shift = 0.2
+    # A shift that changes the logits' differences (a constant one would
+    # leave softmax regression's gradients as they are).
+    shift = {'w': 0.3 * np.arange(12.0).reshape(4, 3) / 12, 'b':
+             np.array([0.2, -0.1, 0.0])}
 
     def aggregate(updates, mask, state, key, *, weights, params, retrain):
       del updates, key
-      moved = jax.tree.map(lambda p: p + shift, params)
+      moved = jax.tree.map(lambda p, d: p + d, params, shift)
       # Slots reversed: the hook follows the ids, not the round's slots.
       order = jnp.arange(mask.shape[0])[::-1]
       ids = jnp.arange(mask.shape[0], dtype=jnp.int32)[order]
@@ -359,8 +362,8 @@ class RetrainHookTest(absltest.TestCase):
     step = engine.make_round_step(method, engine.RoundConfig(
         num_clients=3, clients_per_round=3, strategy='vmap'), threat=threat)
     new_state, metrics = jax.jit(step)(state, data, ())
-    moved = jax.tree.map(lambda p: np.asarray(p, np.float64) + shift,
-                         state.params[0])
+    moved = jax.tree.map(lambda p, d: np.asarray(p, np.float64) + d,
+                         state.params[0], shift)
     expected = jax.tree.map(np.asarray, state.params[0])
     for c, sign in zip(range(3), (1.0, -1.0, 1.0)):
       one = FederatedData(data.x[c:c + 1], data.y[c:c + 1],

@@ -21,11 +21,12 @@ declared (a rule that reads nothing keeps the 4-argument form):
             aggregated (Horus scores a client's values, params + update)
   losses    float32[C]  each client's mean training loss over its local
             steps (Crab's windows)
-  retrain   callable (values, ids int32[S], mask bool[S], salt int32[]) ->
-            (updates, coverage or None), stacked [S, ...]: the engine
-            trains clients `ids` from `values` (a tree like `params`) with
-            their own data, width and poisoning, keys folded with `salt`
-            (FedHAN's exact replay rounds); one cohort, replicated data
+  retrain   callable (values, ids int32[S], mask bool[S], round int32[])
+            -> (updates, coverage or None), stacked [S, ...]: the engine
+            trains clients `ids` from `values` (a tree like `params`) as in
+            round `round`: their own data, width window and, if attackers
+            then, poisoning; keys folded with `round` (FedHAN's exact
+            replay rounds); one cohort, replicated data
 A rule that does not read `coverage` sees updates that are zero outside a
 client's coverage (the aligned, zero-padded form Horus Sec. V-C uses).
 

@@ -56,7 +56,8 @@ L-BFGS correction. Each exact round also stores the paper's buffer pair
 xi)) over the same kept rows. Eq. 10 takes both updates on the same
 batches xi; the stored update's batches are not kept, so the clients also
 retrain from w_t with the keys of their retraining from what_t (two
-trainings per client and exact round; with fresh batches the pair would
+trainings per client and exact round, one where what_t = w_t; with fresh
+batches the pair would
 also hold the sampling difference of two trainings, BUILD_NOTES §3d
 "Session 35"). With exact rounds on, the L-BFGS product of the estimated
 rounds uses these pairs (the paper's Delta W, Delta G) instead of the
@@ -370,7 +371,11 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
           return fc.weighted(rows, rec.weight[row], ones, keep, alpha)
 
         g = rows_from(w_t + delta)
-        y = rows_from(w_t) - g
+        # At delta = 0 (the first live replayed round starts at the
+        # recorded model) the pair is 0: no second training.
+        moved = jnp.any(delta != 0)
+        y = jax.lax.cond(moved, lambda: rows_from(w_t) - g,
+                         lambda: jnp.zeros_like(g))
         # How well the pairs so far predict this change: ||y - H delta|| /
         # ||y|| (1: no better than no correction; only with a pair).
         s_p, y_p, ok_p = pairs_now
@@ -383,7 +388,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
         push = lambda a, v: jnp.where(
             fresh, jnp.concatenate([a[1:], v[None]]), a)
         pairs_ = (push(s_p, delta), push(y_p, y), push(ok_p, fresh))
-        return (g, pairs_, 2 * jnp.sum(keep).astype(jnp.int32), jnp.int32(1),
+        trained = (1 + moved.astype(jnp.int32)) * jnp.sum(keep).astype(
+            jnp.int32)
+        return (g, pairs_, trained, jnp.int32(1),
                 jnp.where(scored, err, 0.0), scored.astype(jnp.int32))
 
       def estimated():

@@ -743,13 +743,15 @@ def make_round_step(method: Method, config: RoundConfig, *,
                            live), (broadcast, data, server_data))
     return one_client
 
-  def retrainer(state, data, server_data, now, key, threat_key, attack_key):
+  def retrainer(state, data, server_data, key, threat_key, attack_key):
     """The 'retrain' extra: clients `ids` of the (only) cohort trained from
-    `values` in place of its global params, as in a round of their own:
-    their data, width spec and, for undetected attackers, their poisoning
-    and model attack (a stateful attack is not rerun). Keys: the client id
-    folded into `key` folded with `salt`."""
-    def retrain(values, ids, mask, salt):
+    `values` in place of its global params, as in round `round_` (a
+    replayed one): their data, width spec and window of that round and, for
+    attackers of that round, their poisoning and model attack (a stateful
+    attack is not rerun; a resampled attacker set is this round's draw).
+    Keys: the client id folded into `key` folded with `round_`. The slots
+    are padded to the device count."""
+    def retrain(values, ids, mask, round_):
       if len(cohorts) != 1:
         raise SettingError('aggregator', 'a rule that retrains clients '
                            '(FedHAN exact replay rounds) runs on one cohort; '
@@ -758,12 +760,15 @@ def make_round_step(method: Method, config: RoundConfig, *,
         raise SettingError('client_data', 'a rule that retrains recorded '
                            'clients (FedHAN exact replay rounds) needs '
                            'replicated client data')
-      ids = jnp.asarray(ids, jnp.int32)
-      mask = jnp.asarray(mask, bool)
+      size = jnp.shape(ids)[0]
+      pad = -size % config.num_devices
+      ids = jnp.pad(jnp.asarray(ids, jnp.int32), (0, pad))
+      mask = jnp.pad(jnp.asarray(mask, bool), (0, pad))
       is_mal, rank = slot_attackers(threat, threat_key, ids, mask,
-                                    config.num_clients, now)
-      keys = client_keys(jax.random.fold_in(key, salt), ids)
-      broadcast = method.broadcast(state._replace(params=(values,)), 0)
+                                    config.num_clients, round_)
+      keys = client_keys(jax.random.fold_in(key, round_), ids)
+      broadcast = method.broadcast(
+          state._replace(params=(values,), round=round_ - 1), 0)
       outputs = run_clients(
           client_fn(0),
           (ids, keys, method.client_state(state.method_state, 0, ids),
@@ -772,8 +777,9 @@ def make_round_step(method: Method, config: RoundConfig, *,
           shared_specs=shared_specs)
       if threat is not None and threat.model_attack is not None:
         outputs = _attack(outputs, threat, is_mal, mask,
-                          jax.random.fold_in(attack_key, salt))
-      return outputs.delta, outputs.coverage
+                          jax.random.fold_in(attack_key, round_))
+      cut = lambda tree: jax.tree.map(lambda leaf: leaf[:size], tree)
+      return cut(outputs.delta), cut(outputs.coverage)
     return retrain
 
   def round_step(state: ServerState, data: FederatedData,
@@ -903,7 +909,7 @@ def make_round_step(method: Method, config: RoundConfig, *,
 
     hooks = {}
     if 'retrain' in method.provides:
-      hooks['retrain'] = retrainer(state, data, server_data, now,
+      hooks['retrain'] = retrainer(state, data, server_data,
                                    jax.random.fold_in(sample_key, 0x4E7A),
                                    threat_key, attack_key)
     params, method_state, info = on_mesh(method.server_update, mesh)(
