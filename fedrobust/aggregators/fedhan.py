@@ -324,19 +324,20 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     rec = state.record
     d = state.history.shape[1]
     ones = jnp.ones(rec.gbar.shape[1:], bool)
-    # L-BFGS pairs from the recorded trajectory: rounds t = j-m-1 .. j-2,
-    # oldest first (s_t = u_t, y_t = u_t - u_{t+1}).
-    ts = round_ - m - 1 + jnp.arange(m)
-    u, ok = jax.vmap(lambda t: applied(state, t))(ts)
-    u_next, ok_next = jax.vmap(lambda t: applied(state, t))(ts + 1)
-    s_pairs, y_pairs = u, u - u_next
-    sy = jnp.sum(s_pairs * y_pairs, axis=1)
-    present = ok & ok_next & (ts > state.base) & (sy > 0)
-    pairs = (s_pairs, y_pairs, present)
     if exact:   # the exact rounds' (Delta w, Delta g) pairs, filled below
       pairs = (jnp.zeros((m, d), jnp.float32), jnp.zeros((m, d), jnp.float32),
                jnp.zeros((m,), bool))
       flat_params = ravel_one(params)
+    else:
+      # L-BFGS pairs from the recorded trajectory: rounds t = j-m-1 .. j-2,
+      # oldest first (s_t = u_t, y_t = u_t - u_{t+1}).
+      ts = round_ - m - 1 + jnp.arange(m)
+      u, ok = jax.vmap(lambda t: applied(state, t))(ts)
+      u_next, ok_next = jax.vmap(lambda t: applied(state, t))(ts + 1)
+      s_pairs, y_pairs = u, u - u_next
+      sy = jnp.sum(s_pairs * y_pairs, axis=1)
+      present = ok & ok_next & (ts > state.base) & (sy > 0)
+      pairs = (s_pairs, y_pairs, present)
     hvp_of = lambda p: (lambda v: safe_step(v, lbfgs_hvp(*p, v)))
 
     def step(r, carry):
