@@ -20,9 +20,12 @@ def np_softmax(x, axis):
   return e / e.sum(axis=axis, keepdims=True)
 
 
-def to_torch(x):
-  """flax kernel layout -> PyTorch's: (in, out) -> (out, in);
-  (kh, kw, in, out) -> (out, in, kh, kw)."""
+def to_torch(x, name):
+  """flax layout -> PyTorch's: kernels (in, out) -> (out, in) and
+  (kh, kw, in, out) -> (out, in, kh, kw); every other leaf (bias,
+  nn.Embed's (vocab, d) table, ViT's (1, n, d) tokens) is stored alike."""
+  if name != 'kernel':
+    return x
   if x.ndim == 2:
     return x.T
   if x.ndim == 4:
@@ -34,8 +37,8 @@ def np_release_kl(prior, now):
   """select_round: sum over tensors of F.kl_div(log_softmax(now, -1),
   softmax(prior, -1), 'sum') in PyTorch's layout."""
   total = 0.0
-  for p, q in zip(prior, now):
-    p, q = to_torch(np.float64(p)), to_torch(np.float64(q))
+  for (name, p), (_, q) in zip(prior, now):
+    p, q = to_torch(np.float64(p), name), to_torch(np.float64(q), name)
     y = np_softmax(p, -1)
     total += np.sum(y * (np.log(y) - np.log(np_softmax(q, -1))))
   return total
@@ -45,8 +48,8 @@ def np_release_similarity(global_model, client):
   """select_client_in_round: the mean over tensors with ndim > 1 of
   mean(torch.cosine_similarity(g, c)) (dim 1) in PyTorch's layout."""
   sims = []
-  for g, c in zip(global_model, client):
-    g, c = to_torch(np.float64(g)), to_torch(np.float64(c))
+  for (name, g), (_, c) in zip(global_model, client):
+    g, c = to_torch(np.float64(g), name), to_torch(np.float64(c), name)
     if g.ndim > 1:
       cos = np.sum(g * c, axis=1) / np.maximum(
           np.linalg.norm(g, axis=1) * np.linalg.norm(c, axis=1), 1e-8)
@@ -58,27 +61,33 @@ class RankingTest(absltest.TestCase):
 
   def test_kl_and_similarity_match_the_release_in_torch_layout(self):
     rng = np.random.default_rng(0)
-    shapes = {'a_conv': (3, 3, 2, 4), 'b_dense': (5, 3), 'c_bias': (3,)}
-    before = {k: rng.normal(size=s).astype(np.float32)
-              for k, s in shapes.items()}
-    after = {k: v + 0.3 * rng.normal(size=v.shape).astype(np.float32)
-             for k, v in before.items()}
-    leaves = lambda t: [t[k] for k in sorted(t)]
+    # Module -> (leaf name, shape): conv and dense kernels are transposed
+    # in PyTorch; the bias, an nn.Embed table and ViT's class token are
+    # not (softmax and cosine along their own last axis / dim 1).
+    shapes = {'a_conv': ('kernel', (3, 3, 2, 4)),
+              'b_dense': ('kernel', (5, 3)), 'c_bias': ('bias', (3,)),
+              'd_embed': ('embedding', (6, 4)), 'e_vit': ('cls', (1, 2, 4))}
+    before = {m: {n: rng.normal(size=s).astype(np.float32)}
+              for m, (n, s) in shapes.items()}
+    after = jax.tree.map(
+        lambda v: v + 0.3 * rng.normal(size=v.shape).astype(np.float32),
+        before)
+    named = lambda t: [(n, t[m][n]) for m, (n, _) in sorted(shapes.items())]
     got = float(crab_lib.round_kl(before, after))
-    np.testing.assert_allclose(got, np_release_kl(leaves(before),
-                                                  leaves(after)), rtol=1e-5)
-    clients = {k: np.stack([v + 0.5 * rng.normal(size=v.shape)
-                            for _ in range(3)]).astype(np.float32)
-               for k, v in after.items()}
+    np.testing.assert_allclose(got, np_release_kl(named(before),
+                                                  named(after)), rtol=1e-5)
+    clients = jax.tree.map(
+        lambda v: np.stack([v + 0.5 * rng.normal(size=v.shape)
+                            for _ in range(3)]).astype(np.float32), after)
     sims = np.asarray(crab_lib.client_similarity(after, clients))
-    want = [np_release_similarity(leaves(after),
-                                  [clients[k][i] for k in sorted(clients)])
+    want = [np_release_similarity(
+        named(after), [(n, c[i]) for n, c in named(clients)])
             for i in range(3)]
     np.testing.assert_allclose(sims, want, rtol=1e-5)
 
 
 class CrabRunTest(absltest.TestCase):
-  """Kernel 'k' (in 2, out 1) and bias 'b'; clients 0-2 remain, client 3
+  """Kernel 'kernel' (in 2, out 1) and bias 'b'; clients 0-2 remain, client 3
   is forgotten at round R = 6; P = 0.6, X = 0.7 (2 of 3 arrivals kept)."""
 
   def setUp(self):
@@ -86,7 +95,7 @@ class CrabRunTest(absltest.TestCase):
     self.agg = get_aggregator('crab', num_clients=4, forget=FORGET,
                               unlearn_round=6)
     self.w0 = {'b': np.zeros(1, np.float32),
-               'k': np.ones((2, 1), np.float32)}
+               'kernel': np.ones((2, 1), np.float32)}
     self.params = {k: v.copy() for k, v in self.w0.items()}
     self.state = self.agg.init(jax.tree.map(jnp.asarray, self.params))
     self.step = jax.jit(lambda u, m, s, ids, tau, w, loss, p: call_aggregator(
@@ -100,7 +109,8 @@ class CrabRunTest(absltest.TestCase):
     w = np.ones(n) if w is None else w
     mask = np.ones(n, bool) if mask is None else np.asarray(mask, bool)
     updates = {'b': jnp.asarray(np.reshape(b_rows, (n, 1)), jnp.float32),
-               'k': jnp.asarray(np.reshape(k_rows, (n, 2, 1)), jnp.float32)}
+               'kernel': jnp.asarray(np.reshape(k_rows, (n, 2, 1)),
+                                   jnp.float32)}
     out, self.state, info = self.step(
         updates, jnp.asarray(mask), self.state, jnp.asarray(ids, jnp.int32),
         jnp.asarray(tau, jnp.int32), jnp.asarray(w, jnp.float32),
@@ -129,7 +139,7 @@ class CrabRunTest(absltest.TestCase):
     self.assertEqual(int(self.state.rollback_round), 2)
     np.testing.assert_allclose(self.state.norms[0], [4.0, 2.0], rtol=1e-6)
     rollback = {'b': moved_2['b'] + 4.0,
-                'k': moved_2['k'] + np.array([[2.0], [0.0]])}
+                'kernel': moved_2['kernel'] + np.array([[2.0], [0.0]])}
     for name in rollback:
       np.testing.assert_allclose(self.state.rollback[name], rollback[name],
                                  rtol=1e-6)
@@ -157,7 +167,7 @@ class CrabRunTest(absltest.TestCase):
     out, info = self.round([[3.0, 4.0], [7.0, 7.0], [1.0, 1.0]],
                            [2.0, 8.0, 8.0], [0, 1, 3], tau=[0, 1, 0])
     np.testing.assert_allclose(out['b'], [3.0], rtol=1e-6)
-    np.testing.assert_allclose(out['k'], [[0.6], [0.8]], rtol=1e-6)
+    np.testing.assert_allclose(out['kernel'], [[0.6], [0.8]], rtol=1e-6)
     self.assertEqual(float(info['calibrating']), 1.0)
     np.testing.assert_allclose(info['weights'], [1, 0, 0])
     # Round 8: both kept rounds used; FedAvg of the fresh remaining

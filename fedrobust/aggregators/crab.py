@@ -99,20 +99,37 @@ class CrabState(NamedTuple):
   rollback_round: jax.Array  # int32[], r0 (-1 until known)
 
 
-def _torch_last_axis(ndim: int) -> int:
+def _is_kernel(path) -> bool:
+  """A Dense or Conv kernel: flax stores it (..., in, out), PyTorch (out,
+  in, ...). Every other leaf (bias, norm scale, nn.Embed's 'embedding',
+  ViT's 'cls' and 'position') has the same layout in both."""
+  last = path[-1] if path else None
+  return getattr(last, 'key', getattr(last, 'name', None)) == 'kernel'
+
+
+def _torch_last_axis(path, ndim: int) -> int:
   """The axis PyTorch stores last, in flax's layout: (in, out) kernels
-  are (out, in) in PyTorch, (*spatial, in, out) ones (out, in, *spatial)."""
+  are (out, in) in PyTorch, (*spatial, in, out) ones (out, in, *spatial);
+  other leaves keep their last axis."""
+  if not _is_kernel(path):
+    return ndim - 1
   if ndim <= 2:
     return 0
   return ndim - 3
+
+
+def _torch_dim1(path, ndim: int) -> int:
+  """PyTorch's dim 1 (the input axis of a kernel), in flax's layout."""
+  return -2 if _is_kernel(path) else 1 - ndim
 
 
 def round_kl(before: Any, after: Any) -> jax.Array:
   """sum_l KL(softmax(before_l) || softmax(after_l)), softmax along the
   axis PyTorch stores last (the release's `select_round`)."""
   total = jnp.float32(0.0)
-  for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
-    axis = _torch_last_axis(b.ndim)
+  for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(before),
+                          jax.tree.leaves(after)):
+    axis = _torch_last_axis(path, b.ndim)
     b = b.astype(jnp.float32)
     a = a.astype(jnp.float32)
     log_p = jax.nn.log_softmax(b, axis=axis)
@@ -124,17 +141,18 @@ def round_kl(before: Any, after: Any) -> jax.Array:
 def client_similarity(global_after: Any, client_models: Any) -> jax.Array:
   """float32[C]: the mean over weight tensors (ndim >= 2) of the mean
   cosine similarity, per output unit (and kernel position), between each
-  client's model and the new global model along the input axis (PyTorch's
-  dim 1; the release's `select_client_in_round`)."""
+  client's model and the new global model along PyTorch's dim 1 (a
+  kernel's input axis; the release's `select_client_in_round`)."""
   sims = []
-  for g, c in zip(jax.tree.leaves(global_after),
-                  jax.tree.leaves(client_models)):
+  for (path, g), c in zip(jax.tree_util.tree_leaves_with_path(global_after),
+                          jax.tree.leaves(client_models)):
     if g.ndim < 2:
       continue
+    axis = _torch_dim1(path, g.ndim)
     g = g.astype(jnp.float32)[None]
     c = c.astype(jnp.float32)
-    dot = jnp.sum(g * c, axis=-2)
-    norm = jnp.sqrt(jnp.sum(g * g, axis=-2) * jnp.sum(c * c, axis=-2))
+    dot = jnp.sum(g * c, axis=axis)
+    norm = jnp.sqrt(jnp.sum(g * g, axis=axis) * jnp.sum(c * c, axis=axis))
     cos = dot / jnp.maximum(norm, 1e-8)
     sims.append(jnp.mean(cos.reshape(cos.shape[0], -1), axis=1))
   if not sims:
