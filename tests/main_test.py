@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments import config as config_lib
+from experiments import hilora_clusters
 from experiments import train
 from fedrobust.checkpoint import (CheckpointError, Checkpointer,
                                   CheckpointSpaceError, state_digest)
@@ -508,6 +509,16 @@ class EndToEndTest(IdxDataTestCase):
       self.assertBetween(final[key], 0.0, 1.0)
     self.assertLessEqual(final['local_accuracy_p10/personal'],
                          final['local_accuracy/personal'])
+    # The offline analysis (experiments/hilora_clusters.py) redoes the
+    # clustering from the checkpointed EMA and lands on the run's own.
+    seen = hilora_clusters.analyze(workdir)
+    self.assertEqual(seen['round'], 3)
+    self.assertEqual(seen['eigengap_k'], summary['num_clusters'])
+    self.assertEqual(seen['stored_ari_match'], 1.0)
+    self.assertLen(seen['gaps'], len(seen['eigenvalues']) - 1)
+    self.assertNotIn('ari', seen)                # IDX data has no groups
+    with self.assertRaisesRegex(ValueError, 'no run'):
+      hilora_clusters.analyze(self.create_tempdir().full_path)
 
   def test_horus_and_a_baseline_share_the_lora_pipeline(self):
     horus = dict(method='horus', cohorts='mlp:0.5,row_lstm:0.5',
