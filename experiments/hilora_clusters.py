@@ -37,7 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import train
 from fedrobust.aggregators.spectral import per_matrix
 from fedrobust.checkpoint import Checkpointer
-from fedrobust.engine.round import init_server_state
 from fedrobust.methods import hilora_subspace as hs
 from fedrobust.types import legacy_server_state
 
@@ -63,9 +62,8 @@ def analyze(workdir: str, k_min: int | None = None,
   program = train.build(config)
   fresh = train.initial_params(program.cohorts, config['seed'])
   template = jax.eval_shape(
-      lambda p: init_server_state(
-          program.method, p, config['num_clients'], config['seed'] + 1,
-          config=program.round_config, data=program.setup.train,
+      lambda p: train.initial_server_state(
+          program, config, p, data=program.setup.train,
           server_data=program.server_data), fresh)
   restored = Checkpointer(os.path.join(workdir, 'checkpoints')).restore_latest(
       template, legacy=legacy_server_state(template))

@@ -68,7 +68,7 @@ from fedrobust.models import (default_compute_dtype, default_conv_impl,
                               get_model)
 from fedrobust.pretrain import pretrain
 from fedrobust.transforms import get_transform
-from fedrobust.types import legacy_server_state
+from fedrobust.types import ServerState, legacy_server_state
 from fedrobust.transforms.base import get_path
 
 RESUMABLE_KEYS = config_lib.RESUMABLE_KEYS
@@ -1026,6 +1026,21 @@ def _pretrain_cohort(config: dict[str, Any], program: Program,
                   'public_examples': int(len(setup.public_y))}
 
 
+def initial_server_state(program: Program, config: dict[str, Any], params,
+                         *, data, server_data) -> ServerState:
+  """The run's round-0 ServerState from each cohort's `params` (also the
+  checkpoint template, under jax.eval_shape)."""
+  state = init_server_state(program.method, params, config['num_clients'],
+                            config['seed'] + 1, config=program.round_config,
+                            data=data, server_data=server_data)
+  threat = program.threat.threat
+  if threat is not None and threat.stateful_attack is not None:
+    # 3DFed's feedback state, checkpointed too.
+    state = state._replace(attack=threat.stateful_attack.init(
+        state.params[0]))
+  return state
+
+
 def initial_params(cohorts: tuple[Cohort, ...], seed: int) -> tuple:
   """Each cohort's freshly initialised full params (cohort j folds in j)."""
   key = jax.random.key(seed)
@@ -1069,16 +1084,8 @@ def _run_locked(config: dict[str, Any], program: Program,
 
   fresh = initial_params(cohorts, config['seed'])
 
-  stateful = (program.threat.threat.stateful_attack
-              if program.threat.threat is not None else None)
-
-  def initial_state(params):
-    state = init_server_state(method, params, config['num_clients'],
-                              config['seed'] + 1, config=program.round_config,
-                              data=data, server_data=server_data)
-    if stateful is not None:   # 3DFed's feedback state, checkpointed too
-      state = state._replace(attack=stateful.init(state.params[0]))
-    return state
+  initial_state = functools.partial(initial_server_state, program, config,
+                                    data=data, server_data=server_data)
 
   template = jax.eval_shape(initial_state, fresh)
   if replicated is not None:      # restored straight into place, no copy

@@ -82,6 +82,7 @@ from fedrobust.aggregators.base import Aggregator
 from fedrobust.aggregators.federaser import (calibrated, leaf_norms,
                                              unlearning_request)
 from fedrobust.aggregators.mean import covered_weighted_mean, setting
+from fedrobust.tree import leaf_names
 
 
 class CrabState(NamedTuple):
@@ -99,37 +100,37 @@ class CrabState(NamedTuple):
   rollback_round: jax.Array  # int32[], r0 (-1 until known)
 
 
-def _is_kernel(path) -> bool:
-  """A Dense or Conv kernel: flax stores it (..., in, out), PyTorch (out,
-  in, ...). Every other leaf (bias, norm scale, nn.Embed's 'embedding',
-  ViT's 'cls' and 'position') has the same layout in both."""
-  last = path[-1] if path else None
-  return getattr(last, 'key', getattr(last, 'name', None)) == 'kernel'
+def _is_kernel(name: str) -> bool:
+  """A Dense or Conv kernel (leaf name from `tree.leaf_names`): flax stores
+  it (..., in, out), PyTorch (out, in, ...). Every other leaf (bias, norm
+  scale, nn.Embed's 'embedding', ViT's 'cls' and 'position') has the same
+  layout in both."""
+  return name.rsplit('/', 1)[-1] == 'kernel'
 
 
-def _torch_last_axis(path, ndim: int) -> int:
+def _torch_last_axis(name: str, ndim: int) -> int:
   """The axis PyTorch stores last, in flax's layout: (in, out) kernels
   are (out, in) in PyTorch, (*spatial, in, out) ones (out, in, *spatial);
   other leaves keep their last axis."""
-  if not _is_kernel(path):
+  if not _is_kernel(name):
     return ndim - 1
   if ndim <= 2:
     return 0
   return ndim - 3
 
 
-def _torch_dim1(path, ndim: int) -> int:
+def _torch_dim1(name: str, ndim: int) -> int:
   """PyTorch's dim 1 (the input axis of a kernel), in flax's layout."""
-  return -2 if _is_kernel(path) else 1 - ndim
+  return -2 if _is_kernel(name) else 1 - ndim
 
 
 def round_kl(before: Any, after: Any) -> jax.Array:
   """sum_l KL(softmax(before_l) || softmax(after_l)), softmax along the
   axis PyTorch stores last (the release's `select_round`)."""
   total = jnp.float32(0.0)
-  for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(before),
-                          jax.tree.leaves(after)):
-    axis = _torch_last_axis(path, b.ndim)
+  for name, b, a in zip(leaf_names(before), jax.tree.leaves(before),
+                         jax.tree.leaves(after)):
+    axis = _torch_last_axis(name, b.ndim)
     b = b.astype(jnp.float32)
     a = a.astype(jnp.float32)
     log_p = jax.nn.log_softmax(b, axis=axis)
@@ -144,11 +145,12 @@ def client_similarity(global_after: Any, client_models: Any) -> jax.Array:
   client's model and the new global model along PyTorch's dim 1 (a
   kernel's input axis; the release's `select_client_in_round`)."""
   sims = []
-  for (path, g), c in zip(jax.tree_util.tree_leaves_with_path(global_after),
-                          jax.tree.leaves(client_models)):
+  for name, g, c in zip(leaf_names(global_after),
+                         jax.tree.leaves(global_after),
+                         jax.tree.leaves(client_models)):
     if g.ndim < 2:
       continue
-    axis = _torch_dim1(path, g.ndim)
+    axis = _torch_dim1(name, g.ndim)
     g = g.astype(jnp.float32)[None]
     c = c.astype(jnp.float32)
     dot = jnp.sum(g * c, axis=axis)
