@@ -49,22 +49,9 @@ def analyze(workdir: str, k_min: int | None = None,
     ValueError: the workdir holds no HiLoRA run, no checkpoint, or a run
       that had not clustered yet.
   """
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.isfile(path):
-    raise ValueError(f'--workdir={workdir} holds no run (no config.json)')
-  with open(path) as f:
-    config = train.resolve(json.load(f))
-  if config['method'] != 'hilora':
-    raise ValueError(f"--workdir={workdir} ran --method={config['method']}; "
-                     'expected hilora')
+  config, program, _, template = train.open_run(workdir, 'hilora')
   k_min = config['hilora_k_min'] if k_min is None else k_min
   k_max = config['hilora_k_max'] if k_max is None else k_max
-  program = train.build(config)
-  fresh = train.initial_params(program.cohorts, config['seed'])
-  template = jax.eval_shape(
-      lambda p: train.initial_server_state(
-          program, config, p, data=program.setup.train,
-          server_data=program.server_data), fresh)
   restored = Checkpointer(os.path.join(workdir, 'checkpoints')).restore_latest(
       template, legacy=legacy_server_state(template))
   if restored is None:

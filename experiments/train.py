@@ -1041,6 +1041,37 @@ def initial_server_state(program: Program, config: dict[str, Any], params,
   return state
 
 
+class SavedRun(NamedTuple):
+  """A run in a workdir, rebuilt for reading its checkpoints."""
+  config: dict[str, Any]
+  program: Program
+  fresh: tuple               # initial_params: each cohort's round-0 params
+  template: Any              # the ServerState's shapes (jax.eval_shape)
+
+
+def open_run(workdir: str, method: str) -> SavedRun:
+  """The `method` run in `workdir` for an analysis tool: its config, the
+  program built from it, and the checkpoint template.
+
+  Raises:
+    ValueError: no run in `workdir`, or a run of another method.
+  """
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise ValueError(f'--workdir={workdir} holds no run (no config.json)')
+  config = resolve(workdir_lib.read_json_object(path))
+  if config['method'] != method:
+    raise ValueError(f"--workdir={workdir} ran --method={config['method']}; "
+                     f'expected {method}')
+  program = build(config)
+  fresh = initial_params(program.cohorts, config['seed'])
+  template = jax.eval_shape(
+      lambda p: initial_server_state(
+          program, config, p, data=program.setup.train,
+          server_data=program.server_data), fresh)
+  return SavedRun(config, program, fresh, template)
+
+
 def initial_params(cohorts: tuple[Cohort, ...], seed: int) -> tuple:
   """Each cohort's freshly initialised full params (cohort j folds in j)."""
   key = jax.random.key(seed)

@@ -375,6 +375,14 @@ class Checkpointer:
                     f'{str(err).splitlines()[0][:300] if str(err) else ""})')
     if reason is not None:
       return None, reason
+    # Orbax restores a leaf in its saved shape whatever the template
+    # says: a state of another size (another client count, rank, model)
+    # must not pass as this one.
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(
+        state)[0], jax.tree.leaves(on_host)):
+      if tuple(np.shape(got)) != tuple(want.shape):
+        return None, (f'has {jax.tree_util.keystr(path)} of shape '
+                      f'{tuple(np.shape(got))}, expected {tuple(want.shape)}')
     leaves, treedef = jax.tree.flatten(state)
     del state
     return _to_device(leaves, treedef, abstract), None
@@ -417,6 +425,23 @@ class Checkpointer:
           'layout. Nothing was deleted; use another workdir, or overwrite '
           'the run, to start over.')
     return None
+
+  def restore(self, step: int, like: PyTree) -> PyTree:
+    """The state saved as `step`, verified, for a reader of a run (an
+    analysis tool). Unlike `restore_latest` it never moves a step aside.
+
+    Raises:
+      CheckpointError: no such step, or it does not restore as `like` or
+        verify.
+    """
+    if step not in self.steps():
+      raise CheckpointError(f'{self.directory} has no step {step} (steps: '
+                            f'{self.steps()})')
+    state, reason = self._restore(step, like)
+    if reason is not None:
+      raise CheckpointError(f'step {step} in {self.directory} is bad: '
+                            f'{reason}')
+    return state
 
   def close(self) -> None:
     self._manager.close()

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 
 from experiments import config as config_lib
 from experiments import hilora_clusters
+from experiments import rfd_lora_teacher
 from experiments import train
 from fedrobust.checkpoint import (CheckpointError, Checkpointer,
                                   CheckpointSpaceError, state_digest)
@@ -519,6 +520,43 @@ class EndToEndTest(IdxDataTestCase):
     self.assertNotIn('ari', seen)                # IDX data has no groups
     with self.assertRaisesRegex(ValueError, 'no run'):
       hilora_clusters.analyze(self.create_tempdir().full_path)
+
+  def test_rfd_lora_teacher_rebuilds_the_round(self):
+    """experiments/rfd_lora_teacher.py on a 2-round RFD-LoRA run with
+    heterogeneous ranks and a backdoor: it rebuilds the clients' uploads
+    (every client's anchor top share as logged) and the run's student
+    (its clean accuracy as logged), and scores the teacher."""
+    workdir = self.create_tempdir().full_path
+    summary = train.run(base_config(
+        self.data_dir, workdir, method='rfd_lora', transform='lora',
+        lora_ranks='2,4', lora_targets='first,head', clients_per_round=4,
+        global_test_per_class=5, attack='badnets', malicious_fraction=0.25,
+        max_train_examples=400, rfd_lora_anchor_dataset='idx',
+        rfd_lora_distill_steps=2, rfd_lora_distill_lr=0.1))
+    self.assertEqual(summary['status'], 'completed')
+    for r in (2, 1):       # round 1's clients received the initial student
+      seen = rfd_lora_teacher.analyze(workdir, r)
+      self.assertEqual(seen['round'], r)
+      self.assertEqual(seen['clients'], [0, 1, 2, 3])
+      self.assertTrue(seen['student_matches_run'])
+      # A share is a multiple of 1 / 40 anchors: one changed argmax would
+      # move it by 0.025; what is left is float32 rounding in the log.
+      self.assertLess(seen['anchor_share_gap'], 1e-6)
+      for part in ('teacher', 'teacher_mean_logits', 'student',
+                   'client_mean'):
+        for value in seen[part].values():
+          self.assertBetween(value, 0.0, 1.0)
+      self.assertBetween(seen['client_mean']['clean_accuracy'],
+                         seen['client_min_clean_accuracy'],
+                         seen['client_max_clean_accuracy'])
+    with self.assertRaisesRegex(ValueError, 'round 3 needs the steps 3 and 2'):
+      rfd_lora_teacher.analyze(workdir, 3)
+    other = self.create_tempdir().full_path
+    with open(os.path.join(other, 'config.json'), 'w') as f:
+      json.dump(base_config(self.data_dir, other), f)
+    with self.assertRaisesRegex(ValueError, 'ran --method=fedavg; expected '
+                                'rfd_lora'):
+      rfd_lora_teacher.analyze(other)
 
   def test_horus_and_a_baseline_share_the_lora_pipeline(self):
     horus = dict(method='horus', cohorts='mlp:0.5,row_lstm:0.5',

@@ -468,6 +468,39 @@ class LegacyLayoutTest(absltest.TestCase):
         attack={'k': jnp.int32(0)})), ())
 
 
+class RestoreStepTest(absltest.TestCase):
+
+  def test_a_named_step_restores_and_a_bad_one_stays_in_place(self):
+    from fedrobust.checkpoint import CheckpointError, Checkpointer
+    d = tempfile.mkdtemp()
+    ck = Checkpointer(d, keep=3)
+    for step in (1, 2):
+      ck.save(step, {'w': jnp.full(3, float(step))})
+    np.testing.assert_array_equal(
+        ck.restore(1, {'w': jnp.zeros(3)})['w'], [1.0, 1.0, 1.0])
+    with self.assertRaisesRegex(CheckpointError, r'no step 5 \(steps: '
+                                r'\[1, 2\]\)'):
+      ck.restore(5, {'w': jnp.zeros(3)})
+    # Another shape is refused (orbax alone would hand back the saved
+    # one), so is another tree, and neither step is moved aside (a reader
+    # never changes the run).
+    with self.assertRaisesRegex(CheckpointError, r"step 2 .* is bad: has "
+                                r"\['w'\] of shape \(3,\), expected \(4,\)"):
+      ck.restore(2, {'w': jnp.zeros(4)})
+    with self.assertRaisesRegex(CheckpointError, 'step 2 .* does not '
+                                'restore'):
+      ck.restore(2, {'v': jnp.zeros(3)})
+    self.assertEqual(ck.steps(), [1, 2])
+    np.testing.assert_array_equal(ck.restore_latest({'w': jnp.zeros(3)})[1][
+        'w'], [2.0, 2.0, 2.0])
+    # A resume, by contrast, sets steps of another shape aside (before the
+    # check, the 3-vector came back as the 4-vector's state).
+    with self.assertRaisesRegex(CheckpointError, r'no checkpoint .* \(steps '
+                                r'\[2, 1\] failed'):
+      ck.restore_latest({'w': jnp.zeros(4)})
+    ck.close()
+
+
 class BadClientTest(parameterized.TestCase):
   """One client sends NaN, Inf or 1e38: every rule that claims robustness
   keeps the global model finite (the means claim none)."""

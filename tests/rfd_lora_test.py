@@ -16,7 +16,8 @@ from fedrobust.cohort import single_cohort
 from fedrobust.errors import SettingError
 from fedrobust.methods import get_method
 from fedrobust.methods import rfd_distill
-from fedrobust.methods.rfd_lora import anchor_logits, label_prior_offset
+from fedrobust.methods.rfd_lora import (anchor_logits, client_model,
+                                        cohort_specs, label_prior_offset)
 from fedrobust.transforms import identity, lora
 from fedrobust.types import Arrivals, ClientOutput, LocalData
 from tests.engine_test import IMAGE, NUM_CLASSES, toy_data
@@ -102,6 +103,32 @@ class RFDLoRATest(absltest.TestCase):
       self.assertEqual(float(out.metrics['anchor_top_class']),
                        float(np.argmax(counts)))
     self.assertEqual(shapes, {(6, NUM_CLASSES)})
+
+  def test_client_model_rebuilds_the_uploads(self):
+    """From the student a client received and the adapter it returned,
+    client_model gives the client's upload again: the logits the server
+    distilled (experiments/rfd_lora_teacher.py rebuilds teachers so)."""
+    transform, method, _, state, data, anchors = start()
+    specs = cohort_specs(build()[2][0])
+    np.testing.assert_array_equal(specs, RANKS)
+    ids = jnp.arange(K, dtype=jnp.int32)
+    cs = method.client_state(state.method_state, 0, ids)
+    received = method.broadcast(state, 0)
+    base, student, round_number = received
+    for i in range(K):
+      out = method.client_update(
+          0, received, jax.tree.map(lambda leaf, i=i: leaf[i], cs),
+          LocalData(data.x, data.y, ids[i], data.count[i]),
+          jax.random.key(i), {'anchors': anchors})
+      apply, own = client_model(transform, base, student, out.client_state,
+                                specs[i], round_number)
+      z = np.clip(anchor_logits(apply, own, anchors, 4), -10.0, 10.0)
+      np.testing.assert_allclose(z, out.delta['logits'], rtol=1e-5,
+                                 atol=1e-5)
+      # The client's model is not the student's: its own adapter counts.
+      bare = anchor_logits(apply, jax.tree.map(jnp.zeros_like, own),
+                           anchors, 4)
+      self.assertGreater(np.abs(np.asarray(bare) - z).max(), 1e-3)
 
   def test_distillation_reaches_the_consensus(self):
     """The server step alone: from logits of 4 clients on 6 anchors, enough

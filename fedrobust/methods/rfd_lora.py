@@ -125,6 +125,31 @@ def anchor_logits(apply_fn, params, anchors: jax.Array,
   return out.reshape((t * batch,) + out.shape[2:])[:a]
 
 
+def cohort_specs(cohort: Cohort) -> jax.Array | None:
+  """The members' transform specs (LoRA ranks) as float32 [K], or None
+  when the transform takes none."""
+  return (jnp.asarray(cohort.specs, jnp.float32)
+          if cohort.transform.spec_name and len(cohort.specs) else None)
+
+
+def client_model(transform, base, student, own, spec, round_number):
+  """Client k's model of Algorithm 1 and Eq. 4, z_k(x) = x(W + alpha/r_k
+  B_k A_k) with W = W0 + S the merged student it received.
+
+  Returns (apply, start): apply(t, x, *, train, key) runs the model with
+  adapter t masked to the client's rank (its coverage), and start is its
+  own adapter `own` so masked, where its local training begins.
+  """
+  cov = transform.coverage(own, spec, round_number)
+  merged = transform.merge(base, student, None)
+
+  def apply(t, x, *, train=False, key=None):
+    return transform.apply(merged, masked(t, cov), x, spec=spec,
+                           train=train, key=key)
+
+  return apply, masked(own, cov)
+
+
 def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
              optimizer: optax.GradientTransformation, aggregator=None,
              server_lr: float = 1.0, poison=None, num_clients: int = 0,
@@ -180,8 +205,7 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
                          component='method rfd_lora')
   cohort = cohorts[0]
   transform = cohort.transform
-  specs = (jnp.asarray(cohort.specs, jnp.float32)
-           if transform.spec_name and len(cohort.specs) else None)
+  specs = cohort_specs(cohort)
   positions = member_positions(cohorts)[0]
 
   def init(params, num_clients, key):
@@ -207,15 +231,10 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     base, student, round_number = broadcast
     spec, own = state
     spec = None if isinstance(spec, tuple) else spec
-    cov = transform.coverage(own, spec, round_number)
-    start = transform.merge(base, student, None)     # W = W0 + S
-
-    def apply(t, x, *, train=False, key=None):
-      return transform.apply(start, masked(t, cov), x, spec=spec,
-                             train=train, key=key)
-
-    new, metrics = local_sgd(classification_loss(apply), masked(own, cov),
-                             data, key, optimizer=optimizer, config=local,
+    apply, start = client_model(transform, base, student, own, spec,
+                                round_number)
+    new, metrics = local_sgd(classification_loss(apply), start, data, key,
+                             optimizer=optimizer, config=local,
                              poison=poison)
     z = anchor_logits(apply, new, server_data['anchors'],
                       anchor_batch).astype(jnp.float32)
