@@ -46,19 +46,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import config as config_lib
 from experiments import train
+from experiments import workdir as workdir_lib
 from fedrobust.checkpoint import Checkpointer
 from fedrobust.cohort import member_positions
 from fedrobust.engine.evaluate import backdoor_rates, pad_to_batches
 from fedrobust.methods import rfd_distill
 from fedrobust.methods.rfd_lora import (client_model, cohort_specs,
                                         label_prior_offset, top_class_share)
-
-
-def _jsonl(path: str) -> list[dict[str, Any]]:
-  if not os.path.isfile(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
 
 
 def _confusion(pred: np.ndarray, true: np.ndarray, c: int) -> np.ndarray:
@@ -98,8 +92,11 @@ def analyze(workdir: str, round_: int | None = None,
                     server_data=program.server_data).params[0])
   student_out = after.params[0]
 
-  rows = {row.get('round'): row for row in _jsonl(
-      os.path.join(workdir, 'rounds.jsonl'))}
+  # The runner's own reader of its logs (a line cut by a kill is dropped;
+  # rewrite=False leaves the files as they are).
+  log = lambda name: {row['round']: row for row in workdir_lib.read_metrics(
+      os.path.join(workdir, name), r, rewrite=False)}
+  rows = log('rounds.jsonl')
   logged = rows.get(r, {}).get('clients', {})
   ids = np.asarray(logged.get('id', np.arange(config['num_clients'])),
                    np.int32)
@@ -184,9 +181,7 @@ def analyze(workdir: str, round_: int | None = None,
   s_trig = flat(student_logits(base, student_out, tb[0]), tkeep)
   s_pred = np.argmax(s_clean, -1)
   student = scores(s_pred, np.argmax(s_trig, -1))
-  metrics = {row.get('round'): row for row in _jsonl(
-      os.path.join(workdir, 'metrics.jsonl'))}
-  run_ca = metrics.get(r, {}).get('test_accuracy')
+  run_ca = log('metrics.jsonl').get(r, {}).get('test_accuracy')
 
   out: dict[str, Any] = {
       'round': r, 'clients': ids.tolist(),
