@@ -91,6 +91,12 @@ step cnn_im2col_c100b 45 $rt --clients=100 --client_execution=vmap \
   --conv_impl=im2col --rounds=3
 step femnist_cnn_im2col_c100 45 $rt --model=cnn --clients=100 \
   --client_execution=vmap --conv_impl=im2col --rounds=3
+# 2c. The simple CNN's convs fused with their pools in 2x2 output blocks
+#     (conv_impl 'block', the CPU default since session 38, 1.5-2.1x there);
+#     unmeasured on GPU, where im2col stays the default until this step
+#     says otherwise.
+step cnn_block_c100 45 $rt --clients=100 --client_execution=vmap \
+  --conv_impl=block --rounds=3
 # 3. Horus's server step by SVD (default) and by the Gram route.
 step horus_sv_c100 90 $big $rt --method=horus,horus:horus_sv_method=gram \
   --method_clients=100 --interleave --rounds=3

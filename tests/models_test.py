@@ -64,6 +64,48 @@ class ConvTest(parameterized.TestCase):
     np.testing.assert_array_equal(out_vjp(g)[0], ref_vjp(g)[0])
     self.assertEqual(float(out_vjp(g)[0][0, 0, 0, 0]), g[0, 0, 0, 0] / 2)
 
+  # simple_cnn's two convs (5x5 VALID on 28x28 with one channel, on 12x12
+  # with six), cnn's (5x5 SAME) and vgg_small's pooled conv (3x3 SAME).
+  @parameterized.parameters(('VALID', 5, 1, 28), ('VALID', 5, 6, 12),
+                            ('SAME', 5, 3, 8), ('SAME', 3, 4, 6))
+  def test_conv_pool_block_is_conv_then_pool(self, padding, size, cin, hw):
+    kx, kk, kb, kg = jax.random.split(jax.random.key(5), 4)
+    x = jax.random.normal(kx, (2, 3, hw, hw, cin))      # 2 clients
+    kernel = jax.random.normal(kk, (2, size, size, cin, 5))
+    bias = jax.random.normal(kb, (2, 5))
+
+    def ref(x, k, b):
+      out = layers.conv2d(x, k, padding=padding, impl='xla')
+      out = out + b.reshape(1, 1, 1, -1)
+      return layers.max_pool_2x2(out)
+
+    def fused(x, k, b):
+      return layers.conv_pool_block(x, k, b, padding=padding)
+
+    self.assertTrue(layers.block_fits(x.shape[1:], kernel.shape[1:],
+                                      padding))
+    want, want_vjp = jax.vjp(jax.vmap(ref), x, kernel, bias)
+    got, got_vjp = jax.vjp(jax.vmap(fused), x, kernel, bias)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    g = jax.random.normal(kg, want.shape)
+    chex.assert_trees_all_close(got_vjp(g), want_vjp(g), rtol=1e-4,
+                                atol=1e-4)
+
+  def test_conv_pool_block_refuses_an_odd_output(self):
+    # 5x5 VALID on 9x9 leaves a 5x5 output; its pool drops a row the
+    # blocks cannot, so the Conv layer keeps the unfused route there.
+    self.assertFalse(layers.block_fits((1, 9, 9, 1), (5, 5, 1, 2), 'VALID'))
+    self.assertFalse(layers.block_fits((1, 7, 8, 1), (3, 3, 1, 2), 'SAME'))
+    with self.assertRaisesRegex(ValueError, 'even output'):
+      layers.conv_pool_block(jnp.zeros((1, 9, 9, 1)), jnp.zeros((5, 5, 1, 2)),
+                             jnp.zeros(2), padding='VALID')
+    conv = lambda impl: layers.Conv(2, (5, 5), 'VALID', impl, pool=True)
+    x = jax.random.normal(jax.random.key(6), (2, 9, 9, 1))
+    variables = conv('im2col').init(jax.random.key(7), x)
+    variables = {'params': variables['params']}
+    np.testing.assert_array_equal(conv('block').apply(variables, x),
+                                  conv('im2col').apply(variables, x))
+
   def test_unknown_impl(self):
     with self.assertRaisesRegex(ValueError, 'conv impl'):
       layers.conv2d(jnp.zeros((1, 4, 4, 1)), jnp.zeros((3, 3, 1, 1)),
@@ -97,6 +139,47 @@ class RegistryTest(parameterized.TestCase):
     x = jax.random.normal(jax.random.key(2), (4, 28, 28, 1))
     chex.assert_trees_all_close(col.apply(params, x), xla.apply(params, x),
                                 rtol=1e-4, atol=1e-4)
+
+  @parameterized.parameters('simple_cnn', 'cnn', 'vgg_small')
+  def test_block_impl_matches_im2col(self, name):
+    get = lambda impl: models.get_model(name, num_classes=10,
+                                        input_shape=(28, 28, 1),
+                                        conv_impl=impl)
+    col, blk = get('im2col'), get('block')
+    params = col.init(jax.random.key(1))
+    chex.assert_trees_all_equal(params, blk.init(jax.random.key(1)))
+    x = jax.random.normal(jax.random.key(2), (3, 28, 28, 1))
+    y = jnp.arange(3)
+
+    def loss(model):
+      def f(p):
+        logp = jax.nn.log_softmax(model.apply(p, x))
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], 1))
+      return jax.value_and_grad(f)
+    chex.assert_trees_all_close(loss(blk)(params), loss(col)(params),
+                                rtol=1e-4, atol=1e-5)
+    # The fused route ran: one gather of block windows per pooled conv with
+    # an even output and few channels (layers.BLOCK_MAX_CIN, BLOCK_MAX_COUT:
+    # cnn's convs write 32 and 64, vgg_small's pooled convs read 32 and
+    # more, so both keep the unfused layers; im2col's forward has no
+    # gather: shift-and-add and slices).
+    pooled = {'simple_cnn': 2, 'cnn': 0, 'vgg_small': 0}[name]
+    jaxpr = str(jax.make_jaxpr(blk.apply)(params, x))
+    self.assertEqual(jaxpr.count(' gather['),
+                     pooled + str(jax.make_jaxpr(col.apply)(params, x)
+                                  ).count(' gather['))
+    # The probes (SDFC's factored Fisher) see the fused layers' outputs in
+    # block layout (tests/sdfc_test.py checks the Fisher from them).
+    _, zeros, _ = blk.probe(params, x)
+    _, ref_zeros, _ = col.probe(params, x)
+    n, h, w, c = ref_zeros['Conv_0']['out'].shape
+    self.assertEqual(zeros['Conv_0']['out'].shape,
+                     (n, h // 2, w // 2, 4, c) if pooled else (n, h, w, c))
+
+  def test_default_conv_impl_per_backend(self):
+    self.assertEqual(models.default_conv_impl('cpu'), 'block')
+    self.assertEqual(models.default_conv_impl('gpu'), 'im2col')
+    self.assertEqual(models.default_conv_impl('tpu'), 'xla')
 
   def test_simple_cnn_layout(self):
     model = models.get_model('simple_cnn', num_classes=10,

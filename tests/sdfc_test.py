@@ -121,9 +121,14 @@ class FactoredFisherTest(parameterized.TestCase):
   impl='vmap' (per-example gradients) on zoo models: Dense layers, VALID
   convs (simple_cnn), SAME convs (cnn), with padded examples masked."""
 
-  @parameterized.parameters(('simple_cnn', {}, 'fisher'),
-                            ('cnn', {'width': 4, 'hidden': 16}, 'fisher'),
-                            ('mlp', {'hidden': (16, 8)}, 'abs_grad'))
+  # conv_impl 'block' (the CPU default) probes the fused conv-pool layers
+  # in block layout; 'im2col' probes each conv's full output.
+  @parameterized.parameters(
+      ('simple_cnn', {'conv_impl': 'block'}, 'fisher'),
+      ('simple_cnn', {'conv_impl': 'im2col'}, 'fisher'),
+      ('cnn', {'width': 4, 'hidden': 16, 'conv_impl': 'block'}, 'fisher'),
+      ('cnn', {'width': 4, 'hidden': 16, 'conv_impl': 'im2col'}, 'fisher'),
+      ('mlp', {'hidden': (16, 8)}, 'abs_grad'))
   def test_factored_equals_vmap(self, name, kwargs, importance):
     model = models.get_model(name, num_classes=10, input_shape=(28, 28, 1),
                              **kwargs)

@@ -59,7 +59,8 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.errors import check_choice
-from fedrobust.models.layers import same_padding, window_index
+from fedrobust.models.layers import (block_window_index, same_padding,
+                                     window_index)
 from fedrobust.tree import leaf_names
 
 Params = Any
@@ -135,6 +136,8 @@ def _conv_route(kernel_shape, backend: str | None = None) -> str:
   44 ms per 1,024, 5x5 2->8 2.5 vs 3.8) and at Cin Cout >= 1024 (3x3
   32->32 21.0 vs 37.6, 3x3 64->64 87.3 vs 100.4, 5x5 32->64 176 vs 232).
   GPU/TPU keep 'patches' in one pass (session 20's GPU figures).
+  A conv fused with its pool (conv_impl 'block') is probed in block
+  layout and goes by 'blocks' instead (_layer_stat, _block_stat).
   """
   if not _on_cpu(backend):
     return 'patches'
@@ -152,8 +155,10 @@ def _layer_stat(kernel_shape, has_bias, a, delta, stat):
   """
   n = a.shape[0]
   route = _conv_route(kernel_shape) if len(kernel_shape) == 4 else None
+  if route is not None and delta.ndim == 5:
+    route = 'blocks'
   c = _chunk_size(n)
-  if route == 'patches' and c < n:
+  if route in ('patches', 'blocks') and c < n:
     split = lambda t: t.reshape((n // c, c) + t.shape[1:])
 
     def add_chunk(carry, chunk):
@@ -181,6 +186,8 @@ def _layer_stat_all(kernel_shape, has_bias, a, delta, stat, route=None):
       kernel = jnp.sum(stat(jnp.einsum('nti,nto->nio', a3, d3,
                                        precision='highest')), axis=0)
     bias = jnp.sum(stat(jnp.sum(d3, axis=1)), axis=0)
+  elif route == 'blocks':          # a fused conv-pool (layers.conv_blocks)
+    kernel, bias = _block_stat(kernel_shape, a, delta, stat)
   else:                                                # Conv, HWIO
     kh, kw, cin, cout = kernel_shape
     if delta.shape[1] == a.shape[1]:                   # SAME
@@ -203,6 +210,32 @@ def _layer_stat_all(kernel_shape, has_bias, a, delta, stat, route=None):
     kernel = jnp.sum(stat(per), axis=0).reshape(kh, kw, cin, cout)
     bias = jnp.sum(stat(jnp.sum(d, axis=1)), axis=0)
   return kernel, (bias if has_bias else None)
+
+
+def _block_stat(kernel_shape, a, delta, stat):
+  """Summed per-example stat of a fused conv-pool layer's gradients.
+
+  delta is the output gradient in block layout [N, Ho/2, Wo/2, 4, Cout]
+  (layers.conv_blocks): each example's kernel gradient in block form is
+  windows^T delta, [(kh+1)(kw+1)Cin, 4 Cout], and the gradient of the
+  kernel itself is the sum of its four placed copies (block_kernel's
+  transpose). The same per-example gradients as the im2col route, summed
+  in another order.
+  """
+  kh, kw, cin, cout = kernel_shape
+  n = a.shape[0]
+  if 2 * delta.shape[1] == a.shape[1]:                 # SAME
+    a = same_padding(a, kh, kw)
+  d = delta.reshape(n, -1, 4 * cout)
+  windows = a.reshape(n, -1)[:, block_window_index(a.shape[1], a.shape[2],
+                                                   cin, kh, kw)]
+  per = jnp.einsum('npk,npo->nko', windows, d, precision='highest')
+  per = per.reshape(n, kh + 1, kw + 1, cin, 2, 2, cout)
+  per = sum(per[:, i:i + kh, j:j + kw, :, i, j, :]
+            for i in (0, 1) for j in (0, 1))
+  kernel = jnp.sum(stat(per), axis=0)
+  bias = jnp.sum(stat(jnp.sum(delta.reshape(n, -1, cout), axis=1)), axis=0)
+  return kernel, bias
 
 
 def factored_sums(probe_fn: Callable, params: Params, x: jax.Array,

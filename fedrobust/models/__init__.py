@@ -56,7 +56,9 @@ class Model(NamedTuple):
   probe: None, or (params, x as stored) -> (logits_of, zeros, inputs):
       logits_of(perturbations) gives the logits with each Dense / Conv
       output shifted by its perturbation, `zeros` is that tree at zero
-      (module path -> {'out': float[N, ...]}), `inputs` each layer's
+      (module path -> {'out': float[N, ...]}; a conv fused with its pool,
+      conv_impl 'block', has float[N, Ho/2, Wo/2, 4, Cout]), `inputs`
+      each layer's
       input (module path -> {'x': (float[N, ...],)}); eval mode. The
       gradient of a loss with respect to the perturbations is every
       layer's per-example output gradient (methods/fisher.py).
@@ -83,7 +85,7 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
     name: a key of MODELS.
     num_classes: output classes.
     input_shape: one stored example's (H, W, Ch).
-    conv_impl: 'xla', 'im2col' or None for the backend default.
+    conv_impl: 'xla', 'im2col', 'block' or None for the backend default.
     pipeline: the input pipeline (models/pipelines.PIPELINES).
     dtype: compute dtype (params stay float32); None for float32.
     **kwargs: architecture overrides (e.g. width for 'cnn').

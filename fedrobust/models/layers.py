@@ -6,8 +6,12 @@ a checkpoint. On XLA:CPU a convolution inside `lax.scan`, and a convolution
 whose weights are batched by `vmap` (it becomes a grouped convolution), run
 several times slower than a plain matmul over image patches. On one H100 the
 same holds under vmap: the simple CNN's round at C = 100 ran 2.66x faster as
-patches (BUILD_NOTES §4b, session 22). TPU keeps the native convolution
-(unmeasured there). `default_conv_impl()` picks per backend.
+patches (BUILD_NOTES §4b, session 22). 'block' is 'im2col' with each
+few-channel convolution that feeds a 2x2 max pool fused with it
+(`conv_pool_block`): on XLA:CPU it halves the simple CNN's local step
+(session 38). TPU keeps
+the native convolution (unmeasured there). `default_conv_impl()` picks per
+backend.
 
 LoRA: every layer here reads optional low-rank factors from the variable
 collection 'lora' at its own module path ({'a': [d_in, r], 'b': [r, d_out]},
@@ -27,14 +31,15 @@ import jax.numpy as jnp
 from flax import linen as nn
 import numpy as np
 
-ConvImpl = Literal['xla', 'im2col']
-CONV_IMPLS = ('xla', 'im2col')
+ConvImpl = Literal['xla', 'im2col', 'block']
+CONV_IMPLS = ('xla', 'im2col', 'block')
 
 
 def default_conv_impl(backend: str | None = None) -> ConvImpl:
-  """'im2col' on CPU and GPU, 'xla' on TPU (measured in BUILD_NOTES.md)."""
+  """'block' on CPU, 'im2col' on GPU, 'xla' on TPU (measured in
+  BUILD_NOTES.md; 'block' is unmeasured on GPU and TPU)."""
   backend = backend or jax.default_backend()
-  return 'xla' if backend == 'tpu' else 'im2col'
+  return {'tpu': 'xla', 'cpu': 'block'}.get(backend, 'im2col')
 
 
 COMPUTE_DTYPES = ('float32', 'bfloat16')
@@ -254,7 +259,9 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, padding: str,
     kernel: float[kh, kw, Cin, Cout].
     padding: 'VALID' or 'SAME'.
     impl: 'xla' (lax.conv) or 'im2col' (shifted slices, one matmul; for
-      Cin <= SHIFT_ADD_MAX_CIN, conv_shift_add).
+      Cin <= SHIFT_ADD_MAX_CIN, conv_shift_add). 'block' computes a lone
+      convolution as 'im2col' does (it differs only where a convolution
+      is followed by a pool: `conv_pool_block`).
 
   Returns:
     float[N, H', W', Cout].
@@ -264,7 +271,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, padding: str,
     return jax.lax.conv_general_dilated(
         x, kernel, (1, 1), padding,
         dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-  if impl != 'im2col':
+  if impl not in ('im2col', 'block'):
     raise ValueError(f'conv impl must be one of {CONV_IMPLS}, got {impl!r}')
   if padding == 'SAME':
     x = same_padding(x, kh, kw)
@@ -280,6 +287,115 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, padding: str,
   return matmul(cols, kernel.reshape(kh * kw * cin, cout))
 
 
+def block_window_index(h: int, w: int, cin: int, kh: int,
+                       kw: int) -> np.ndarray:
+  """int [(Ho/2)*(Wo/2), (kh+1)*(kw+1)*Cin]: for each 2x2 block of VALID
+  output pixels (row-major over blocks), the positions in one example's
+  flattened [H, W, Cin] input of the (kh+1) x (kw+1) window that the
+  block's four outputs read, in (row, column, Cin) order."""
+  ho, wo = h - kh + 1, w - kw + 1
+  r, q, i, j, c = np.ix_(np.arange(ho // 2), np.arange(wo // 2),
+                         np.arange(kh + 1), np.arange(kw + 1), np.arange(cin))
+  return (((2 * r + i) * w + (2 * q + j)) * cin + c).reshape(
+      (ho // 2) * (wo // 2), (kh + 1) * (kw + 1) * cin)
+
+
+def block_kernel(kernel: jax.Array) -> jax.Array:
+  """[kh, kw, Cin, Cout] -> [(kh+1)(kw+1)Cin, 4 Cout]: the kernel placed at
+  the four offsets (a, b) of a 2x2 output block, zeros elsewhere; column
+  (a, b, o) gives output (2r + a, 2q + b, o) from block (r, q)'s window."""
+  kh, kw, cin, cout = kernel.shape
+  placed = [jnp.pad(kernel, ((a, 1 - a), (b, 1 - b), (0, 0), (0, 0)))
+            for a in (0, 1) for b in (0, 1)]
+  return jnp.stack(placed, axis=3).reshape((kh + 1) * (kw + 1) * cin,
+                                           4 * cout)
+
+
+# Input and output channels up to which impl 'block' fuses a conv with its
+# pool. The block GEMM does (kh+1)(kw+1)/(kh kw) times the multiply-adds
+# (1.44x for 5x5, 1.78x for 3x3); it pays where moving a few-channel
+# full-resolution output and its patches costs more than the arithmetic.
+# On the 2-core box (BUILD_NOTES §4b, session 38): simple_cnn's 1->6 and
+# 6->16 convs fused ran its round 1.5-2.1x faster; fusing cnn's 1->32 conv
+# (5x5 SAME, batch 4) cost 3%, with its 32->64 conv as well 10%, and
+# vgg_small's 32- and 64-channel 3x3 convs 30%.
+BLOCK_MAX_CIN = 8
+BLOCK_MAX_COUT = 16
+
+
+def block_fits(x_shape: tuple[int, ...], kernel_shape: tuple[int, ...],
+               padding: str) -> bool:
+  """Whether `conv_pool_block` applies: even VALID output height and width
+  after the padding (a VALID pool drops an odd last row; the fused route
+  does not handle that case)."""
+  _, h, w, _ = x_shape
+  kh, kw = kernel_shape[:2]
+  if padding == 'SAME':
+    return h % 2 == 0 and w % 2 == 0
+  return (h - kh + 1) % 2 == 0 and (w - kw + 1) % 2 == 0
+
+
+def conv_blocks(x: jax.Array, kernel: jax.Array, *,
+                padding: str) -> jax.Array:
+  """conv2d(x, kernel) in 2x2 output blocks: float[N, Ho/2, Wo/2, 4, Cout],
+  axis 3 the position (a, b) in the block, row-major (`conv_pool_block`).
+
+  Args:
+    x: float[N, H, W, Cin].
+    kernel: float[kh, kw, Cin, Cout].
+    padding: 'VALID' or 'SAME'; the output height and width must be even
+      (`block_fits`).
+  """
+  if padding == 'SAME':
+    x = same_padding(x, *kernel.shape[:2])
+  elif padding != 'VALID':
+    raise ValueError(f'padding must be VALID or SAME, got {padding!r}')
+  if not block_fits(x.shape, kernel.shape, 'VALID'):
+    raise ValueError(f'conv_pool_block needs an even output; input '
+                     f'{x.shape}, kernel {kernel.shape}')
+  n, h, w, cin = x.shape
+  kh, kw, _, cout = kernel.shape
+  ho, wo = h - kh + 1, w - kw + 1
+  # One gather with a static index (as conv_shift_add's VJP does); its
+  # transpose, the input gradient, is one scatter-add into [N, H*W*Cin].
+  windows = x.reshape(n, h * w * cin)[:, block_window_index(h, w, cin, kh,
+                                                            kw)]
+  out = matmul(windows, block_kernel(kernel))
+  return out.reshape(n, ho // 2, wo // 2, 4, cout)
+
+
+def conv_pool_block(x: jax.Array, kernel: jax.Array, bias: jax.Array, *,
+                    padding: str) -> jax.Array:
+  """max_pool_2x2(conv2d(x, kernel) + bias), by 2x2 output blocks.
+
+  Each 2x2 block of the convolution's output reads a (kh+1) x (kw+1)
+  window of the input, so one GEMM of block windows [N*Ho*Wo/4,
+  (kh+1)(kw+1)Cin] with `block_kernel` [.., 4 Cout] gives the four outputs
+  of every block side by side (`conv_blocks`), and the pool is a max over
+  that axis of 4. Against im2col this reads 2.8x fewer patch values for a
+  5x5 kernel (36 against 100 per block and input channel), never writes
+  the full-resolution output or its pool mask, and the pool's backward
+  scatters into contiguous rows; it does 1.44x the multiply-adds (the
+  zeros of the placed kernel). On XLA:CPU the simple CNN's round is about
+  1.6-2x faster (BUILD_NOTES §4b, session 38). Values equal the unfused
+  layer's up to float reassociation inside the GEMM; max(a_i + b) =
+  max(a_i) + b exactly in floating point (rounding is monotone), so the
+  bias is added after the pool.
+
+  Args:
+    x: float[N, H, W, Cin].
+    kernel: float[kh, kw, Cin, Cout].
+    bias: float[Cout].
+    padding: 'VALID' or 'SAME'; the output height and width must be even
+      (`block_fits`).
+
+  Returns:
+    float[N, Ho/2, Wo/2, Cout], before any ReLU.
+  """
+  out = conv_blocks(x, kernel, padding=padding).max(axis=3)
+  return out + bias.reshape(1, 1, 1, -1)
+
+
 class Conv(nn.Module):
   """Conv layer with flax.linen.Conv's parameter names and shapes."""
   features: int
@@ -287,6 +403,11 @@ class Conv(nn.Module):
   padding: str = 'SAME'
   impl: ConvImpl = 'xla'
   dtype: jnp.dtype | None = None
+  # Follow the convolution with ReLU and a 2x2 max pool (`pool_relu`).
+  # With impl 'block' the three are fused (`conv_pool_block`) where the
+  # output is even and has at most BLOCK_MAX_COUT channels, and the input
+  # at most BLOCK_MAX_CIN.
+  pool: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -298,9 +419,24 @@ class Conv(nn.Module):
     if self.dtype is not None:
       x, kernel, bias = (a.astype(self.dtype) for a in (x, kernel, bias))
     self.sow(PROBE_INPUTS, 'x', x)
+    if (self.pool and self.impl == 'block' and x.shape[-1] <= BLOCK_MAX_CIN
+        and self.features <= BLOCK_MAX_COUT
+        and block_fits(x.shape, kernel.shape, self.padding)):
+      if not (self.is_mutable_collection(PROBE_OUTPUTS)
+              or self.has_variable(PROBE_OUTPUTS, 'out')):
+        return nn.relu(conv_pool_block(x, kernel, bias,
+                                       padding=self.padding))
+      # Probed (methods/fisher.py): the perturbation, and so the output
+      # gradient the probe reads, is in block layout [N, Ho/2, Wo/2, 4,
+      # Cout]; the Fisher recognises a 5-D probe by its rank.
+      out = conv_blocks(x, kernel, padding=self.padding)
+      out = self.perturb('out', out + bias.reshape(1, 1, 1, 1, -1),
+                         collection=PROBE_OUTPUTS)
+      return nn.relu(out.max(axis=3))
     out = conv2d(x, kernel, padding=self.padding, impl=self.impl)
     out = out + bias.reshape((1,) * (out.ndim - 1) + (-1,))
-    return self.perturb('out', out, collection=PROBE_OUTPUTS)
+    out = self.perturb('out', out, collection=PROBE_OUTPUTS)
+    return pool_relu(out) if self.pool else out
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:

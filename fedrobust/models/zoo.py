@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fedrobust.models.layers import (Conv, ConvImpl, Dense, lora_merged,
-                                     pool_relu)
+from fedrobust.models.layers import Conv, ConvImpl, Dense, lora_merged
 
 
 def _flatten(x: jax.Array) -> jax.Array:
@@ -70,9 +69,10 @@ class SimpleCNN(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
-    conv = lambda f: Conv(f, (5, 5), 'VALID', self.conv_impl, self.dtype)
-    x = pool_relu(conv(6)(x))
-    x = pool_relu(conv(16)(x))
+    conv = lambda f: Conv(f, (5, 5), 'VALID', self.conv_impl, self.dtype,
+                          pool=True)
+    x = conv(6)(x)
+    x = conv(16)(x)
     x = _flatten(x)
     for width in (120, 84, 84, 256):
       x = Dense(width, dtype=self.dtype)(x)
@@ -98,9 +98,10 @@ class CNN(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
-    conv = lambda f: Conv(f, (5, 5), 'SAME', self.conv_impl, self.dtype)
-    x = pool_relu(conv(self.width)(x))
-    x = pool_relu(conv(2 * self.width)(x))
+    conv = lambda f: Conv(f, (5, 5), 'SAME', self.conv_impl, self.dtype,
+                          pool=True)
+    x = conv(self.width)(x)
+    x = conv(2 * self.width)(x)
     x = nn.relu(Dense(self.hidden, dtype=self.dtype)(_flatten(x)))
     return Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
@@ -122,10 +123,11 @@ class VGGSmall(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
-    conv = lambda f: Conv(f, (3, 3), 'SAME', self.conv_impl, self.dtype)
+    conv = lambda f, pool=False: Conv(f, (3, 3), 'SAME', self.conv_impl,
+                                      self.dtype, pool=pool)
     for features in self.stages:
       x = nn.relu(conv(features)(x))
-      x = pool_relu(conv(features)(x))
+      x = conv(features, pool=True)(x)
     x = nn.relu(Dense(256, dtype=self.dtype)(_flatten(x)))
     return Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
