@@ -156,7 +156,21 @@ def _layer_stat(kernel_shape, has_bias, a, delta, stat):
   n = a.shape[0]
   route = _conv_route(kernel_shape) if len(kernel_shape) == 4 else None
   if route is not None and delta.ndim == 5:
-    route = 'blocks'
+    # A fused conv-pool's output gradient, in block layout. Its windows
+    # replace the patch matrix ('blocks': 16-24 against 37-47 ms per 1,024
+    # examples for simple_cnn's 1->6 conv); 'shifts' reads the
+    # full-resolution layout (11 against 31 ms by blocks for its 6->16
+    # conv; the whole Fisher 120-132 against 136-149 ms; BUILD_NOTES §4b,
+    # session 38).
+    if route == 'patches':
+      route = 'blocks'
+    else:
+      n, hb, wb, _, cout = delta.shape
+      delta = delta.reshape(n, hb, wb, 2, 2, cout).transpose(
+          0, 1, 3, 2, 4, 5).reshape(n, 2 * hb, 2 * wb, cout)
+      # Written once: fused into each of the kh*kw einsums, the pool's
+      # backward that makes delta ran once per offset.
+      delta = jax.lax.optimization_barrier(delta)
   c = _chunk_size(n)
   if route in ('patches', 'blocks') and c < n:
     split = lambda t: t.reshape((n // c, c) + t.shape[1:])
