@@ -9,9 +9,8 @@ same holds under vmap: the simple CNN's round at C = 100 ran 2.66x faster as
 patches (BUILD_NOTES §4b, session 22). 'block' is 'im2col' with each
 few-channel convolution that feeds a 2x2 max pool fused with it
 (`conv_pool_block`): on XLA:CPU it halves the simple CNN's local step
-(session 38). TPU keeps
-the native convolution (unmeasured there). `default_conv_impl()` picks per
-backend.
+(session 38). TPU keeps the native convolution (unmeasured there).
+`default_conv_impl()` picks per backend.
 
 LoRA: every layer here reads optional low-rank factors from the variable
 collection 'lora' at its own module path ({'a': [d_in, r], 'b': [r, d_out]},
