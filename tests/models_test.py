@@ -90,6 +90,13 @@ class ConvTest(parameterized.TestCase):
     g = jax.random.normal(kg, want.shape)
     chex.assert_trees_all_close(got_vjp(g), want_vjp(g), rtol=1e-4,
                                 atol=1e-4)
+    # The block layout, undone, is the convolution itself.
+    full = jax.vmap(lambda x, k: layers.blocks_to_image(
+        layers.conv_blocks(x, k, padding=padding)))(x, kernel)
+    chex.assert_trees_all_close(
+        full, jax.vmap(lambda x, k: layers.conv2d(
+            x, k, padding=padding, impl='xla'))(x, kernel),
+        rtol=1e-5, atol=1e-5)
 
   def test_conv_pool_block_refuses_an_odd_output(self):
     # 5x5 VALID on 9x9 leaves a 5x5 output; its pool drops a row the

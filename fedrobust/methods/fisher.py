@@ -59,8 +59,8 @@ import jax
 import jax.numpy as jnp
 
 from fedrobust.errors import check_choice
-from fedrobust.models.layers import (block_window_index, same_padding,
-                                     window_index)
+from fedrobust.models.layers import (block_window_index, blocks_to_image,
+                                     same_padding, window_index)
 from fedrobust.tree import leaf_names
 
 Params = Any
@@ -165,9 +165,7 @@ def _layer_stat(kernel_shape, has_bias, a, delta, stat):
     if route == 'patches':
       route = 'blocks'
     else:
-      n, hb, wb, _, cout = delta.shape
-      delta = delta.reshape(n, hb, wb, 2, 2, cout).transpose(
-          0, 1, 3, 2, 4, 5).reshape(n, 2 * hb, 2 * wb, cout)
+      delta = blocks_to_image(delta)
       # Written once: fused into each of the kh*kw einsums, the pool's
       # backward that makes delta ran once per offset.
       delta = jax.lax.optimization_barrier(delta)

@@ -350,7 +350,7 @@ def conv_blocks(x: jax.Array, kernel: jax.Array, *,
   elif padding != 'VALID':
     raise ValueError(f'padding must be VALID or SAME, got {padding!r}')
   if not block_fits(x.shape, kernel.shape, 'VALID'):
-    raise ValueError(f'conv_pool_block needs an even output; input '
+    raise ValueError(f'conv_blocks needs an even output; input '
                      f'{x.shape}, kernel {kernel.shape}')
   n, h, w, cin = x.shape
   kh, kw, _, cout = kernel.shape
@@ -361,6 +361,13 @@ def conv_blocks(x: jax.Array, kernel: jax.Array, *,
                                                             kw)]
   out = matmul(windows, block_kernel(kernel))
   return out.reshape(n, ho // 2, wo // 2, 4, cout)
+
+
+def blocks_to_image(out: jax.Array) -> jax.Array:
+  """`conv_blocks`' layout [N, Ho/2, Wo/2, 4, C] back to [N, Ho, Wo, C]."""
+  n, hb, wb, _, c = out.shape
+  return out.reshape(n, hb, wb, 2, 2, c).transpose(0, 1, 3, 2, 4, 5).reshape(
+      n, 2 * hb, 2 * wb, c)
 
 
 def conv_pool_block(x: jax.Array, kernel: jax.Array, bias: jax.Array, *,
