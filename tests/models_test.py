@@ -177,8 +177,8 @@ class RegistryTest(parameterized.TestCase):
                                   ).count(' gather['))
     # The probes (SDFC's factored Fisher) see the fused layers' outputs in
     # block layout (tests/sdfc_test.py checks the Fisher from them).
-    _, zeros, _ = blk.probe(params, x)
-    _, ref_zeros, _ = col.probe(params, x)
+    _, zeros = blk.probe(params, x)
+    _, ref_zeros = col.probe(params, x)
     n, h, w, c = ref_zeros['Conv_0']['out'].shape
     self.assertEqual(zeros['Conv_0']['out'].shape,
                      (n, h // 2, w // 2, 4, c) if pooled else (n, h, w, c))

@@ -110,6 +110,36 @@ class FisherTest(parameterized.TestCase):
     chex.assert_trees_all_equal(empty, jax.tree.map(jnp.zeros_like,
                                                     self.params))
 
+  def test_merged_batches_give_the_same_fisher(self):
+    # Three stored batches of 4 (the last all padding) re-cut into batches
+    # of 8: the padded tail batch is skipped, the sums are unchanged.
+    x = jnp.concatenate([self.x, jnp.full((1, 4, 2, 2, 1), 9, jnp.uint8)])
+    y = jnp.concatenate([self.y, jnp.ones((1, 4), jnp.int32)])
+    mask = jnp.concatenate([self.mask, jnp.zeros((1, 4), bool)])
+    fisher = jax.jit(lambda x, y, m, b: fisher_diagonal(
+        self.model.apply, self.params, x, y, m, batch_size=b),
+                     static_argnums=3)
+    chex.assert_trees_all_close(fisher(x, y, mask, 8),
+                                fisher(self.x, self.y, self.mask, 4),
+                                rtol=1e-6, atol=1e-9)
+    mx, my, mm = fisher_lib.merge_batches(x, y, mask, 8)
+    self.assertEqual(mx.shape, (2, 8, 2, 2, 1))
+    np.testing.assert_array_equal(mx[0], x[:2].reshape(8, 2, 2, 1))
+    np.testing.assert_array_equal(my[1, :4], y[2])
+    np.testing.assert_array_equal(
+        mm, np.concatenate([mask.reshape(-1), np.zeros(4, bool)]
+                           ).reshape(2, 8))
+    with self.assertRaisesRegex(ValueError, 'multiple of the stored'):
+      fisher_lib.merge_batches(x, y, mask, 6)
+
+  def test_fisher_batch_size_rule(self):
+    size = fisher_lib.fisher_batch_size
+    self.assertEqual(size(64, factored=True, backend='cpu'), 128)
+    self.assertEqual(size(48, factored=True, backend='cpu'), 96)
+    self.assertEqual(size(200, factored=True, backend='cpu'), 200)
+    self.assertEqual(size(64, factored=False, backend='cpu'), 64)
+    self.assertEqual(size(64, factored=True, backend='gpu'), 64)
+
   def test_unknown_variant_names_flag(self):
     with self.assertRaisesRegex(ValueError, 'importance'):
       fisher_diagonal(self.model.apply, self.params, self.x, self.y,
@@ -123,13 +153,19 @@ class FactoredFisherTest(parameterized.TestCase):
 
   # conv_impl 'block' (the CPU default) probes the fused conv-pool layers
   # in block layout; 'im2col' probes each conv's full output.
+  # batch: the factored pass's batch (fisher_batch_size); 10 keeps the
+  # stored batches, 0 the CPU default (12 batches of 10 re-cut into one of
+  # 120, the second stored batch's padding inside it).
   @parameterized.parameters(
-      ('simple_cnn', {'conv_impl': 'block'}, 'fisher'),
-      ('simple_cnn', {'conv_impl': 'im2col'}, 'fisher'),
-      ('cnn', {'width': 4, 'hidden': 16, 'conv_impl': 'block'}, 'fisher'),
-      ('cnn', {'width': 4, 'hidden': 16, 'conv_impl': 'im2col'}, 'fisher'),
-      ('mlp', {'hidden': (16, 8)}, 'abs_grad'))
-  def test_factored_equals_vmap(self, name, kwargs, importance):
+      ('simple_cnn', {'conv_impl': 'block'}, 'fisher', 10),
+      ('simple_cnn', {'conv_impl': 'block'}, 'fisher', 0),
+      ('simple_cnn', {'conv_impl': 'im2col'}, 'fisher', 10),
+      ('cnn', {'width': 4, 'hidden': 16, 'conv_impl': 'block'}, 'fisher',
+       10),
+      ('cnn', {'width': 4, 'hidden': 16, 'conv_impl': 'im2col'}, 'fisher',
+       10),
+      ('mlp', {'hidden': (16, 8)}, 'abs_grad', 20))
+  def test_factored_equals_vmap(self, name, kwargs, importance, batch):
     model = models.get_model(name, num_classes=10, input_shape=(28, 28, 1),
                              **kwargs)
     params = model.init(jax.random.key(1))
@@ -150,10 +186,14 @@ class FactoredFisherTest(parameterized.TestCase):
     self.assertEqual(fisher_lib._conv_route((5, 5, 6, 16), 'gpu'), 'patches')
     self.assertTrue(factored_plan(params, model.probe, x[0]))
 
+    self.assertEqual(fisher_lib.fisher_batch_size(10, factored=True,
+                                                  backend='cpu'), 120)
+
     def fisher(impl):
       return jax.jit(lambda p: fisher_diagonal(
           model.apply, p, x, y, mask, importance=importance, impl=impl,
-          probe_fn=model.probe))(params)
+          probe_fn=model.probe, batch_size=batch if impl == 'factored'
+          else 10))(params)
 
     want, got = fisher('vmap'), fisher('factored')
     chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
@@ -233,6 +273,21 @@ class FDRegTest(absltest.TestCase):
     chex.assert_trees_all_close(
         out.delta, jax.tree.map(lambda g: -lr * g, ce_grad), rtol=1e-5,
         atol=1e-7)
+
+
+class FisherBatchSettingTest(absltest.TestCase):
+
+  def test_bad_fisher_batch_names_the_setting(self):
+    model = linear_model()
+    local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
+    build = lambda **kw: get_method(
+        'sdfc', cohorts=single_cohort(model, identity(model), 1, 1),
+        local=local, optimizer=engine.sgd(learning_rate=0.1), **kw)
+    with self.assertRaisesRegex(ValueError, 'fisher_batch.*multiple.*4'):
+      build(fisher_batch=6)
+    with self.assertRaisesRegex(ValueError, "fisher_batch.*'released'"):
+      build(fisher_batch=8, fisher_mode='released')
+    build(fisher_batch=8)
 
 
 class FirstRoundTest(absltest.TestCase):

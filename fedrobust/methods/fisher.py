@@ -86,8 +86,11 @@ def factored_plan(params: Params, probe_fn: Callable | None, x: jax.Array
   leaf is the kernel or bias of a probed layer called once."""
   if probe_fn is None:
     return False
-  zeros, inputs = jax.eval_shape(lambda p, xb: probe_fn(p, xb)[1:],
-                                 params, x)
+  def shapes(p, xb):
+    forward, zeros = probe_fn(p, xb)
+    return zeros, forward(zeros)[1]
+
+  zeros, inputs = jax.eval_shape(shapes, params, x)
   layers = _by_path(params)
   probed_out, probed_in = _by_path(zeros), _by_path(inputs)
   for path, leaves in layers.items():
@@ -108,6 +111,49 @@ STAT_CHUNK = 8
 
 def _on_cpu(backend: str | None) -> bool:
   return (backend or jax.default_backend()) == 'cpu'
+
+
+# Examples per batch of the factored Fisher pass on CPU (fisher_batch_size).
+# The pass has no sequential dependency, and each batch pays a fixed cost
+# in small per-layer kernels (the Dense products, the conv statistics'
+# chunks, the sums): on the 2-core box simple_cnn's Fisher ran 13-17%
+# faster at 128 than at 64, and 256 or 512 gained less (BUILD_NOTES §4b,
+# session 39).
+FISHER_BATCH_CPU = 128
+
+
+def fisher_batch_size(batch_size: int, *, factored: bool,
+                      backend: str | None = None) -> int:
+  """Examples per Fisher batch when the caller leaves it to us, a multiple
+  of the stored batch: the factored per-example pass on CPU takes the
+  largest multiple up to FISHER_BATCH_CPU (at least one stored batch);
+  per-example gradients by vmap keep the stored batch (their memory is
+  batch x |w|), as do GPU and TPU until measured there."""
+  if factored and _on_cpu(backend):
+    return batch_size * max(1, FISHER_BATCH_CPU // batch_size)
+  return batch_size
+
+
+def merge_batches(x: jax.Array, y: jax.Array, mask: jax.Array,
+                  batch_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """[T, B, ...] batches re-cut into batches of `batch_size` examples (a
+  multiple of B): k = batch_size / B consecutive batches each, T padded
+  with masked empty batches to a multiple of k (fisher_diagonal skips
+  those)."""
+  t, b = mask.shape
+  if batch_size % b:
+    raise ValueError(f'batch_size {batch_size} must be a multiple of the '
+                     f'stored batch {b}')
+  k = batch_size // b
+  if k == 1:
+    return x, y, mask
+  pad = -t % k
+  if pad:
+    grow = lambda a: jnp.concatenate(
+        [a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
+    x, y, mask = grow(x), grow(y), grow(mask)
+  cut = lambda a: a.reshape(((t + pad) // k, batch_size) + a.shape[2:])
+  return cut(x), cut(y), cut(mask)
 
 
 def _chunk_size(n: int, backend: str | None = None) -> int:
@@ -254,16 +300,16 @@ def factored_sums(probe_fn: Callable, params: Params, x: jax.Array,
                   y: jax.Array, mask: jax.Array, stat) -> Params:
   """sum over the batch's real examples of stat(per-example gradient of
   log p(y | x)), as a tree like params, from one backward pass."""
-  logits_of, zeros, inputs = probe_fn(params, x)
+  forward, zeros = probe_fn(params, x)
 
   def total(perturbations):
-    log_p = jax.nn.log_softmax(logits_of(perturbations).astype(jnp.float32),
-                               axis=-1)
+    logits, inputs = forward(perturbations)
+    log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(log_p, y[:, None], axis=-1)[:, 0]
-    return jnp.sum(jnp.where(mask, picked, 0.0))
+    return jnp.sum(jnp.where(mask, picked, 0.0)), inputs
 
-  deltas = _by_path(jax.grad(total)(zeros))
-  ins = _by_path(inputs)
+  deltas, inputs = jax.grad(total, has_aux=True)(zeros)
+  deltas, ins = _by_path(deltas), _by_path(inputs)
   stats = {}
   for path, leaves in _by_path(params).items():
     kernel, bias = _layer_stat(
@@ -289,7 +335,8 @@ def fisher_diagonal(apply_fn: Callable, params: Params, x: jax.Array,
                     y: jax.Array, mask: jax.Array, *,
                     importance: str = 'fisher',
                     mode: str = 'per_example', impl: str = 'vmap',
-                    probe_fn: Callable | None = None) -> Params:
+                    probe_fn: Callable | None = None,
+                    batch_size: int = 0) -> Params:
   """Diagonal Fisher (or |grad|) of `params` on a batched example set.
 
   Args:
@@ -304,6 +351,11 @@ def fisher_diagonal(apply_fn: Callable, params: Params, x: jax.Array,
       'factored' needs `probe_fn` (Model.probe) and falls back to 'vmap'
       where the probes do not cover the model.
     probe_fn: Model.probe, or None.
+    batch_size: examples per batch of the pass, a multiple of B; 0 picks
+      fisher_batch_size. The T batches are re-cut (merge_batches); the
+      result is the same sum in another order, except for
+      mode='released', whose estimator is defined per batch and always
+      keeps the stored batches.
 
   Returns:
     A tree shaped like params; zeros if there is no real example.
@@ -314,6 +366,9 @@ def fisher_diagonal(apply_fn: Callable, params: Params, x: jax.Array,
   stat = jnp.square if importance == 'fisher' else jnp.abs
   factored = (impl == 'factored' and mode == 'per_example' and
               factored_plan(params, probe_fn, x[0]))
+  if mode == 'per_example':
+    x, y, mask = merge_batches(x, y, mask, batch_size or fisher_batch_size(
+        mask.shape[1], factored=factored))
 
   def one_example_grad(xe, ye):
     return jax.grad(lambda p: log_likelihood(apply_fn, p, xe[None],

@@ -85,7 +85,7 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
          importance: str = 'fisher', stiffness: str = 'diff',
          fisher_mode: str = 'per_example', first_round: str = 'none',
          weighting: str = 'sigmoid', diagnostics: bool = False,
-         fisher_impl: str = 'factored') -> Method:
+         fisher_impl: str = 'factored', fisher_batch: int = 0) -> Method:
   """Builds SDFC. server_data must be the batched validation set U:
   (x uint8[T, B, ...], y int32[T, B], mask bool[T, B]).
 
@@ -111,6 +111,10 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     fisher_impl: 'factored' (one backward pass per batch, per-layer
       products; methods/fisher.py) or 'vmap' (per-example gradients); the
       same math, summed in another order.
+    fisher_batch: examples per batch of the Fisher passes (0: automatic,
+      fisher.fisher_batch_size); a multiple of the local batch size. The
+      passes over D_k and U have no sequential dependency, so their batch
+      is free of the training batch; same sums, in another order.
 
   Returns:
     A Method.
@@ -125,6 +129,15 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
   check_choice('fisher_impl', fisher_impl, FISHER_IMPLS, component=component)
   check_choice('first_round', first_round, FIRST_ROUNDS, component=component)
   check_choice('weighting', weighting, FDAGG_WEIGHTINGS, component=component)
+  if fisher_batch < 0 or fisher_batch % local.batch_size:
+    raise SettingError('fisher_batch', 'must be 0 (automatic) or a '
+                       f'positive multiple of the local batch size '
+                       f'{local.batch_size}, got {fisher_batch}',
+                       component=component)
+  if fisher_batch and fisher_mode != 'per_example':
+    raise SettingError('fisher_batch', f"applies to fisher 'per_example'; "
+                       f"the {fisher_mode!r} estimator is defined per local "
+                       'batch', component=component)
   if not (lam >= 0 and jnp.isfinite(lam)):
     raise SettingError('lam', f'must be >= 0 and finite, got {lam}',
                        component=component)
@@ -159,7 +172,7 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     xs, ys = jax.vmap(lambda r: poisoned_batch(data, r, poison))(rows)
     fisher = lambda x, y, m: fisher_diagonal(
         model.apply, w, x, y, m, importance=importance, mode=fisher_mode,
-        impl=fisher_impl, probe_fn=model.probe)
+        impl=fisher_impl, probe_fn=model.probe, batch_size=fisher_batch)
     if stiffness == 'validation':
       return fisher(val_x, val_y, val_mask)
     m_local = fisher(xs, ys, rows < data.count)
@@ -285,6 +298,10 @@ SDFC = MethodSpec(
                 'are computed: factored (one backward pass, per-layer '
                 'products) or vmap (per-example gradients); same math.',
                 choices=FISHER_IMPLS, execution=True),
+        Setting('fisher_batch', 0, 'Examples per batch of the Fisher '
+                'passes, a multiple of the local batch (0: automatic, 128 '
+                'for the factored Fisher on CPU, else the local batch); '
+                'same sums in another order.', execution=True),
     ),
     server_data=('validation',),
     default_aggregator=default_aggregator,

@@ -53,13 +53,13 @@ class Model(NamedTuple):
   width_units: per parameter leaf, per axis, the hidden units the axis
       indexes (0: not sliced); see models/zoo.py.
   lora_native: apply() honours `lora` factors (every zoo model does).
-  probe: None, or (params, x as stored) -> (logits_of, zeros, inputs):
-      logits_of(perturbations) gives the logits with each Dense / Conv
-      output shifted by its perturbation, `zeros` is that tree at zero
-      (module path -> {'out': float[N, ...]}; a conv fused with its pool,
-      conv_impl 'block', has float[N, Ho/2, Wo/2, 4, Cout]), `inputs`
-      each layer's
-      input (module path -> {'x': (float[N, ...],)}); eval mode. The
+  probe: None, or (params, x as stored) -> (forward, zeros):
+      forward(perturbations) gives (logits, inputs): the logits with each
+      Dense / Conv output shifted by its perturbation, and each layer's
+      input (module path -> {'x': (float[N, ...],)}), from one forward
+      pass; `zeros` is the perturbation tree at zero (module path ->
+      {'out': float[N, ...]}; a conv fused with its pool, conv_impl
+      'block', has float[N, Ho/2, Wo/2, 4, Cout]); eval mode. The
       gradient of a loss with respect to the perturbations is every
       layer's per-example output gradient (methods/fisher.py).
   """
@@ -128,15 +128,22 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
 
   def probe(params: Params, x: jax.Array):
     x = pipe.prepare(x, train=False, key=None)
-    _, probed = module.apply({'params': params}, x,
-                             mutable=[PROBE_INPUTS, PROBE_OUTPUTS])
 
-    def logits_of(perturbations):
-      return module.apply({'params': params, PROBE_OUTPUTS: perturbations},
-                          x)
+    def forward(perturbations):
+      # One forward gives the logits and every probed layer's input, so a
+      # gradient through it (methods/fisher.py, has_aux) reuses the
+      # activations it saved: a separate pass for the inputs cost 14-18%
+      # of the factored Fisher (BUILD_NOTES §4b, session 39).
+      logits, probed = module.apply(
+          {'params': params, PROBE_OUTPUTS: perturbations}, x,
+          mutable=[PROBE_INPUTS])
+      return logits, probed[PROBE_INPUTS]
 
-    zeros = jax.tree.map(jnp.zeros_like, probed[PROBE_OUTPUTS])
-    return logits_of, zeros, probed[PROBE_INPUTS]
+    out_shapes = jax.eval_shape(
+        lambda: module.apply({'params': params}, x,
+                             mutable=[PROBE_OUTPUTS])[1][PROBE_OUTPUTS])
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+    return forward, zeros
 
   shapes = jax.eval_shape(init, jax.random.key(0))
   return Model(name, init, apply, tuple(input_shape), num_classes,
