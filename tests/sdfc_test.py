@@ -154,8 +154,9 @@ class FactoredFisherTest(parameterized.TestCase):
   # conv_impl 'block' (the CPU default) probes the fused conv-pool layers
   # in block layout; 'im2col' probes each conv's full output.
   # batch: the factored pass's batch (fisher_batch_size); 10 keeps the
-  # stored batches, 0 the CPU default (12 batches of 10 re-cut into one of
-  # 120, the second stored batch's padding inside it).
+  # stored batches, 0 the CPU default (the 2 stored batches of 10, padded
+  # with 10 empty ones, re-cut into one batch of 120 holding all 12 real
+  # examples).
   @parameterized.parameters(
       ('simple_cnn', {'conv_impl': 'block'}, 'fisher', 10),
       ('simple_cnn', {'conv_impl': 'block'}, 'fisher', 0),

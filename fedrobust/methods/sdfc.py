@@ -299,8 +299,9 @@ SDFC = MethodSpec(
                 'products) or vmap (per-example gradients); same math.',
                 choices=FISHER_IMPLS, execution=True),
         Setting('fisher_batch', 0, 'Examples per batch of the Fisher '
-                'passes, a multiple of the local batch (0: automatic, 128 '
-                'for the factored Fisher on CPU, else the local batch); '
+                'passes, a multiple of the local batch (0: automatic: for '
+                'the factored Fisher on CPU the largest multiple up to '
+                '128, else the local batch); '
                 'same sums in another order.', execution=True),
     ),
     server_data=('validation',),
