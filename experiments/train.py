@@ -49,8 +49,8 @@ from fedrobust.checkpoint import (CheckpointError, CheckpointSpaceError,
                                   Checkpointer, barrier, is_primary)
 from fedrobust.cohort import Cohort, split_roles
 from fedrobust.data import (DEFAULT_FASHION_MNIST_DIR, DataNotFoundError,
-                            build_federated_setup, hold_out, load_dataset,
-                            subsample, unused_rows)
+                            RowTable, build_federated_setup, hold_out,
+                            load_dataset, subsample, unused_rows)
 from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               client_mesh, default_strategy, evaluate,
                               init_server_state,
@@ -550,7 +550,9 @@ def build(config: dict[str, Any]) -> Program:
   optimizer = make_optimizer(config, config['local_lr'], local.num_steps)
   threat = build_threat(
       config, num_classes=setup.num_classes, input_shape=setup.input_shape,
-      test_x=dataset.test_x, test_y=dataset.test_y,
+      # Lazy: a triggered test set is built by the block a process places.
+      test_x=RowTable(dataset.test_x, np.arange(len(dataset.test_y))),
+      test_y=dataset.test_y,
       validation=(setup.validation_x, setup.validation_y),
       cohorts=cohorts, delayed=delay is not None,
       group_sizes=aggregation_groups(cohorts, config),
@@ -627,10 +629,11 @@ class Evaluator:
   With a mesh of several devices the evaluations split over it
   (engine.evaluate.evaluations): the global and triggered sets' batches,
   and the clients of the local test splits, each device evaluating its
-  share once instead of every device evaluating everything. Under
-  several processes each process sends only its own share of the local
-  test splits to its devices; the host copies (the stacked sets, padding
-  and re-cut batches) are still built whole on every process.
+  share once instead of every device evaluating everything. The sets'
+  inputs are lazy (data.RowTable) through the padding and re-cuts, so
+  under several processes each process builds, and sends to its devices,
+  only its own share of the global, triggered and local test sets; the
+  labels and masks (small) are whole on every process.
   """
 
   def __init__(self, program: Program, put, eval_batch_size: int,

@@ -10,10 +10,12 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from fedrobust import attacks
 from fedrobust.data import federated
 from fedrobust.data import partition
 from fedrobust.data import sources
 from fedrobust.data import splits
+from fedrobust.engine.evaluate import pad_leading, pad_to_batches, rebatch
 
 
 
@@ -496,6 +498,90 @@ class ClientRowsTest(absltest.TestCase):
     self.assertEqual(source.read, {20, 21})
     with self.assertRaisesRegex(IndexError, r'\[4, 7\)'):
       rows.block(4, 7)
+
+
+class RowTableTest(parameterized.TestCase):
+  """Evaluation sets stay lazy (RowTable) through the host-side re-cuts,
+  equal to the same re-cuts of the built array, and a block reads only
+  its own rows."""
+
+  def setUp(self):
+    super().setUp()
+    # Row i holds the value i + 1 everywhere, so a built block names the
+    # rows it came from (0 is padding).
+    self.x = np.broadcast_to(
+        np.arange(1, 14, dtype=np.uint8)[:, None, None, None],
+        (13, 8, 8, 1)).copy()
+    self.y = np.arange(13, dtype=np.int32) % 4
+    self.source = RecordingSource(self.x)
+    self.lazy = federated.RowTable(self.source, np.arange(13))
+
+  def assert_lazy_equal(self, lazy, eager):
+    self.assertIsInstance(lazy, federated.RowTable)
+    self.assertEqual(lazy.shape, eager.shape)
+    np.testing.assert_array_equal(np.asarray(lazy), eager)
+
+  def test_recuts_equal_the_built_arrays(self):
+    bx, by, bm = pad_to_batches(self.lazy, self.y, 4)
+    ex, ey, em = pad_to_batches(self.x, self.y, 4)
+    self.assertEqual(self.source.read, set())   # nothing built yet
+    self.assert_lazy_equal(bx, ex)
+    self.assertEqual(ex.shape, (4, 4, 8, 8, 1))
+    np.testing.assert_array_equal(by, ey)
+    np.testing.assert_array_equal(bm, em)
+    self.assertEqual(int(em.sum()), 13)
+    # 4 batches for 3 devices: re-cut into 6 batches of 3.
+    rx, ry, rm = rebatch(bx, by, bm, 3)
+    sx, sy, sm = rebatch(ex, ey, em, 3)
+    self.assert_lazy_equal(rx, sx)
+    self.assertEqual(sx.shape, (6, 3, 8, 8, 1))
+    np.testing.assert_array_equal(ry, sy)
+    np.testing.assert_array_equal(rm, sm)
+    # The unmasked examples keep their order.
+    np.testing.assert_array_equal(sx[..., 0, 0, 0][sm], np.arange(1, 14))
+    px = pad_leading(rx, 4)
+    self.assert_lazy_equal(px, pad_leading(sx, 4))
+    self.assertEqual(px.shape[0], 8)
+    # A block builds its own rows only.
+    self.source.read.clear()
+    block = px.block(2, 4)
+    np.testing.assert_array_equal(block, sx[2:4])
+    self.assertEqual(self.source.read, {int(v) - 1 for v in
+                                        np.unique(sx[2:4]) if v})
+    self.source.read.clear()
+    self.assertEqual(px.block(6, 8).sum(), 0)   # padding: nothing read
+    self.assertEqual(self.source.read, set())
+
+  def test_per_client_sets_are_lazy(self):
+    parts = [np.array([3, 7]), np.array([], np.int64), np.array([0, 1, 2])]
+    sets = federated.stack_eval_sets(self.x, self.y, parts, 2)
+    self.assertIsInstance(sets.x, federated.RowTable)
+    self.assertEqual(sets.x.shape, (3, 2, 2, 8, 8, 1))
+    built = np.asarray(sets.x)
+    for k, p in enumerate(parts):
+      np.testing.assert_array_equal(built[k][sets.mask[k]], self.x[p])
+      np.testing.assert_array_equal(sets.y[k][sets.mask[k]], self.y[p])
+      self.assertEqual(built[k][~sets.mask[k]].sum(), 0)
+    picked = sets.x[np.array([2, 0])]
+    self.assert_lazy_equal(picked, built[[2, 0]])
+
+  @parameterized.parameters('badnets', 'blended')
+  def test_a_lazy_triggered_set_stamps_the_rows_it_builds(self, poison):
+    eager = attacks.triggered_test_set(self.x, self.y, poison,
+                                       target_label=1, with_sources=True)
+    lazy = attacks.triggered_test_set(self.lazy, self.y, poison,
+                                      target_label=1, with_sources=True)
+    self.assertEqual(self.source.read, set())
+    self.assert_lazy_equal(lazy[0], eager[0])
+    for a, b in zip(lazy[1:], eager[1:]):
+      np.testing.assert_array_equal(a, b)
+    self.assertFalse(np.array_equal(eager[0], self.x[self.y != 1]))
+    # Batched, a block stamps and reads its rows only.
+    bx, _, _ = pad_to_batches(lazy[0], lazy[2], 5)
+    self.source.read.clear()
+    np.testing.assert_array_equal(bx.block(1, 2)[0], eager[0][5:10])
+    self.assertEqual(self.source.read, set(
+        np.flatnonzero(self.y != 1)[5:10].tolist()))
 
 
 class StackEvalSetsTest(parameterized.TestCase):

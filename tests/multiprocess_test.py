@@ -164,18 +164,26 @@ class MultiProcessTest(absltest.TestCase):
   def test_two_processes_split_the_evaluation(self):
     """With local test splits, the runner's evaluation splits the global
     test set's batches and the clients' local tests over the mesh, which
-    here spans two processes: each evaluates its share, and the metrics
+    here spans two processes: each builds and evaluates its share (half
+    the test images, read from the source), and the metrics
     rows (global, local and personal accuracy) are the single process's
     on two devices. Batches of 40 cut the 100 test examples into 3
     batches, so `rebatch` pads them to 4 for the two devices."""
     tmp, data_dir = self._data()
     overrides = json.dumps({'local_test_fraction': 0.25, 'num_rounds': 1,
                             'eval_batch_size': 40})
-    self._single_process(tmp, data_dir, FEDROBUST_MP_OVERRIDES=overrides,
-                         FEDROBUST_MP_WORKDIR=os.path.join(tmp, 'one'))
-    self._two_processes(tmp, data_dir, 'eval',
-                        FEDROBUST_MP_OVERRIDES=overrides,
-                        FEDROBUST_MP_WORKDIR=os.path.join(tmp, 'two'))
+    single = self._single_process(
+        tmp, data_dir, FEDROBUST_MP_OVERRIDES=overrides,
+        FEDROBUST_MP_WORKDIR=os.path.join(tmp, 'one'))
+    parts = self._two_processes(tmp, data_dir, 'eval',
+                                FEDROBUST_MP_OVERRIDES=overrides,
+                                FEDROBUST_MP_WORKDIR=os.path.join(tmp, 'two'))
+    # Each process built only its own devices' test batches: 2 of the 4
+    # batches of 25, disjoint, together the whole set.
+    self.assertEqual(single['test_examples_read'], list(range(100)))
+    reads = [set(p['test_examples_read']) for p in parts]
+    self.assertEqual([len(r) for r in reads], [50, 50])
+    self.assertEqual(reads[0] | reads[1], set(range(100)))
     rows = {}
     for name in ('one', 'two'):
       with open(os.path.join(tmp, name, 'metrics.jsonl')) as f:

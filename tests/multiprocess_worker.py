@@ -18,7 +18,8 @@ object, overrides CONFIG's settings (e.g. {"method": "sdfc", ...}).
 
 With $FEDROBUST_MP_WORKDIR set, the process runs the runner itself,
 `train.run`, in that workdir (shared by every process; it resumes what is
-there) and writes its rounds_completed and params sha256 instead.
+there) and writes its rounds_completed and params sha256 instead, and
+which test images it read.
 """
 
 import json
@@ -77,11 +78,21 @@ def main(argv):
   config.update(json.loads(os.environ.get('FEDROBUST_MP_OVERRIDES', '{}')))
   workdir = os.environ.get('FEDROBUST_MP_WORKDIR')
   if workdir:
+    # Record which test images the run builds (the Evaluator's placement).
+    test_images = []
+    load = train.load_dataset
+
+    def recording_load(*args, **kwargs):
+      dataset = load(*args, **kwargs)
+      test_images.append(_Recording(dataset.test_x))
+      return dataset._replace(test_x=test_images[-1])
+    train.load_dataset = recording_load
     summary = train.run(dict(config, workdir=workdir, checkpoint_every=1))
     with open(out_path, 'w') as f:
       json.dump({'process_index': jax.process_index(),
                  'rounds_completed': summary['rounds_completed'],
-                 'params_sha256': summary['params_sha256']}, f)
+                 'params_sha256': summary['params_sha256'],
+                 'test_examples_read': sorted(test_images[0].read)}, f)
     return
   program = train.build(config)
   replicated = NamedSharding(program.mesh, PartitionSpec())

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from fedrobust import engine
 from fedrobust.data import federated
 from fedrobust.engine import execution
+from fedrobust.engine.evaluate import pad_to_batches, rebatch
 from fedrobust.errors import SettingError
 
 from tests.data_test import RecordingSource
@@ -129,6 +130,31 @@ class LazyPlacementTest(absltest.TestCase):
       np.testing.assert_array_equal(np.asarray(shard.data), full[lo:lo + 2])
     chex.assert_trees_all_equal(
         np.asarray(execution.place_clients(rows, mesh, 'replicated')), full)
+
+  def test_each_device_builds_its_own_test_batches(self):
+    """The global test set as the Evaluator places it over 4 devices
+    (rebatch, then split by batch): 11 examples in batches of 4 (3
+    batches) are re-cut into 4 batches of 3, each device's batch built
+    on its own (one block each), every example read, equal to the built
+    set."""
+    _needs_devices(self)
+    x = np.arange(1, 12, dtype=np.uint8)[:, None].repeat(2, axis=1)
+    y = np.arange(11, dtype=np.int32) % 3
+    source = RecordingSource(x)
+    batches = pad_to_batches(federated.RowTable(source, np.arange(11)), y, 4)
+    recut = rebatch(*batches, 4)
+    self.assertIsInstance(recut[0], federated.RowTable)
+    calls = []
+    block = recut[0].block
+    recut[0].block = lambda lo, hi: calls.append((lo, hi)) or block(lo, hi)
+    placed = execution.place_clients(recut, engine.client_mesh(4), 'sharded')
+    self.assertEqual(sorted(calls), [(0, 1), (1, 2), (2, 3), (3, 4)])
+    self.assertEqual(sorted(source.read), list(range(11)))
+    built = rebatch(*pad_to_batches(x, y, 4), 4)
+    for got, want in zip(placed, built):
+      for shard in got.addressable_shards:
+        lo = shard.index[0].start
+        np.testing.assert_array_equal(np.asarray(shard.data), want[lo:lo + 1])
 
 
 class ShardedDataTest(parameterized.TestCase):

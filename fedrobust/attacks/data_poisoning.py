@@ -440,6 +440,30 @@ def _check_fraction(fraction: float) -> None:
                        f'{fraction}')
 
 
+def trigger_stamp(poison_name: str, image_shape: tuple[int, ...], *,
+                  trigger: Trigger = Trigger(), alpha: float = 0.2,
+                  seed: int = 0, dba_layout: str = 'grid'
+                  ) -> Callable[[np.ndarray], np.ndarray]:
+  """Host-side: the FULL trigger of `poison_name` as a function of a batch
+  of inputs x[M, ...] (a new array; x is not changed). It acts input by
+  input, so it can be applied to any subset of a test set."""
+  if poison_name == 'trigger_token':
+    return lambda x: np.asarray(insert_token(np.asarray(x)))
+  if poison_name in ('badnets', 'dba', 'neurotoxin', 'alternating_min'):
+    mask = (dba_masks(trigger, image_shape, dba_layout)[0]
+            if poison_name == 'dba' else trigger_mask(trigger, image_shape))
+
+    def stamp(x):
+      x = np.array(x)
+      x[:, mask[..., 0]] = trigger.value
+      return x
+    return stamp
+  if poison_name == 'blended':
+    pattern = blend_pattern(image_shape, seed)
+    return lambda x: np.asarray(blend(np.asarray(x), pattern, alpha))
+  raise ValueError(f'{poison_name!r} has no trigger')
+
+
 def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,
                        target_label: int, trigger: Trigger = Trigger(),
                        alpha: float = 0.2, seed: int = 0,
@@ -467,19 +491,16 @@ def triggered_test_set(x: np.ndarray, y: np.ndarray, poison_name: str, *,
     edge = np.asarray(edge_images, x.dtype)
     target = np.full(len(edge), target_label, np.int32)
     return (edge, target, target) if with_sources else (edge, target)
-  keep = (y != target_label) if exclude_target else np.ones(len(y), bool)
+  keep = np.flatnonzero((np.asarray(y) != target_label) if exclude_target
+                        else np.ones(len(y), bool))
   true = np.asarray(y[keep], np.int32)
-  x = x[keep].copy()
-  if poison_name == 'trigger_token':
-    x = insert_token(x)
-  elif poison_name in ('badnets', 'dba', 'neurotoxin', 'alternating_min'):
-    mask = (dba_masks(trigger, x.shape[1:], dba_layout)[0]
-            if poison_name == 'dba' else trigger_mask(trigger, x.shape[1:]))
-    x[:, mask[..., 0]] = trigger.value
-  elif poison_name == 'blended':
-    pattern = blend_pattern(x.shape[1:], seed)
-    x = np.asarray(blend(x, pattern, alpha))
+  stamp = trigger_stamp(poison_name, tuple(x.shape[1:]), trigger=trigger,
+                        alpha=alpha, seed=seed, dba_layout=dba_layout)
+  if hasattr(x, 'regroup'):
+    # A lazy test set (data.RowTable) stays lazy: the trigger is stamped
+    # on the rows a process builds for its own devices.
+    x = x.regroup(keep, 1).mapped(stamp)
   else:
-    raise ValueError(f'{poison_name!r} has no trigger')
+    x = stamp(np.asarray(x[keep]))
   target = np.full(len(x), target_label, np.int32)
   return (x, target, true) if with_sources else (x, target)

@@ -1,8 +1,8 @@
 """Data: sources, server/client splits, partitioners, fixed-shape stacking."""
 
 from fedrobust.data.federated import (ClientRows, EvalSet, FederatedSetup,
-                                      build_federated_setup, hold_out,
-                                      select_clients, stack_clients,
+                                      RowTable, build_federated_setup,
+                                      hold_out, select_clients, stack_clients,
                                       stack_eval_sets, subsample,
                                       unseen_clients, unused_rows)
 from fedrobust.data.partition import PARTITIONERS, class_histograms

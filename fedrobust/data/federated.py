@@ -8,7 +8,7 @@ stored dtype (uint8 images, int32 token ids).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -32,6 +32,7 @@ class FederatedSetup(NamedTuple):
   """Everything a run needs from its data, as host arrays."""
   # x a lazy ClientRows [K, N, ...]; y [K, N] and count [K] numpy.
   train: FederatedData
+  # Both evaluation sets' x are lazy RowTables (built where placed).
   local_test: EvalSet       # each client's local test split, [K, T, B, ...]
   test: EvalSet             # the global test set, [T, B, ...]
   validation_x: np.ndarray  # clean server validation set U, uint8[V, ...]
@@ -46,38 +47,62 @@ class FederatedSetup(NamedTuple):
   client_groups: np.ndarray | None = None
 
 
-class ClientRows(LazyHostArray):
-  """Clients' examples as a lazy [K, N, ...] array, padded with zeros to N.
+class RowTable(LazyHostArray):
+  """Rows of a source laid out by an index table: a lazy array of shape
+  table.shape + row shape, where each table entry is the source row at
+  that place and a negative entry is a zero row (padding).
 
   Holds only the source (any array that takes an index array: a numpy
-  array, a memmap, a random-access reader) and each client's row indices
-  into it. Rows are gathered when asked for: `block(lo, hi)` builds
-  clients lo .. hi - 1 only, so a process that places one block of clients
-  on its devices (engine.place_clients) never builds the others', and no
-  padded [K, N, ...] copy outlives the placement. Anything else (numpy's
-  `__array__`, `jnp.asarray`, indexing) behaves as the full array;
-  indexing the client axis with an integer array keeps it lazy
-  (select_clients, hold_out).
+  array, a memmap, a random-access reader) and the int64 table. Rows are
+  gathered when asked for: `block(lo, hi)` builds entries lo .. hi - 1 of
+  the first axis only, so a process that places one block (of clients, or
+  of evaluation batches) on its devices (engine.place_clients) never
+  builds the others', and no padded copy outlives the placement.
+  `transform`, if given, maps gathered rows to what the array holds (a
+  backdoor trigger stamped on test images); it must act row by row.
+  Anything else (numpy's `__array__`, `jnp.asarray`, indexing) behaves as
+  the full array; indexing the first axis with an integer array, and
+  `regroup` (the host-side re-cuts of engine.evaluate), stay lazy.
   """
 
-  def __init__(self, source, parts: list[np.ndarray], n: int):
+  def __init__(self, source, table, transform: Callable | None = None,
+               dtype=None):
     self.source = source
-    self.parts = [np.asarray(p, np.int64) for p in parts]
-    self.n = int(n)
-    self.shape = (len(self.parts), self.n, *source.shape[1:])
-    self.dtype = np.dtype(source.dtype)
+    self.table = np.asarray(table, np.int64)
+    self.transform = transform
+    self.shape = (*self.table.shape, *source.shape[1:])
+    self.dtype = np.dtype(dtype or source.dtype)
 
   def block(self, lo: int, hi: int) -> np.ndarray:
-    """Clients lo .. hi - 1 as an array [hi - lo, N, ...]."""
+    """Entries lo .. hi - 1 of the first axis as an array."""
     if not 0 <= lo <= hi <= len(self):
-      raise IndexError(f'client block [{lo}, {hi}) is outside the '
-                       f'{len(self)} clients')
-    out = np.zeros((hi - lo, *self.shape[1:]), self.dtype)
-    for k in range(lo, hi):
-      p = self.parts[k]
-      if len(p):
-        out[k - lo, :len(p)] = self.source[p]
-    return out
+      raise IndexError(f'block [{lo}, {hi}) is outside the {len(self)} '
+                       'rows of the first axis')
+    index = self.table[lo:hi].reshape(-1)
+    real = index >= 0
+    out = np.zeros((len(index), *self.shape[self.table.ndim:]), self.dtype)
+    if real.any():
+      rows = np.asarray(self.source[index[real]])
+      out[real] = rows if self.transform is None else self.transform(rows)
+    return out.reshape((hi - lo, *self.shape[1:]))
+
+  def regroup(self, index: np.ndarray, lead: int) -> 'RowTable':
+    """The array whose first axes are `index` over the first `lead` axes
+    flattened (negative: a zero entry), lazily (engine.evaluate.regroup)."""
+    index = np.asarray(index, np.int64)
+    flat = self.table.reshape((-1, *self.table.shape[lead:]))
+    if not flat.shape[0]:                  # nothing to take: all padding
+      flat = np.full((1, *flat.shape[1:]), -1, np.int64)
+    table = np.where((index >= 0).reshape(index.shape + (1,) * (
+        self.table.ndim - lead)), flat[np.maximum(index, 0)], -1)
+    return RowTable(self.source, table, self.transform, self.dtype)
+
+  def mapped(self, fn: Callable[[np.ndarray], np.ndarray]) -> 'RowTable':
+    """The same rows passed through fn (after any transform already
+    there), lazily; fn must act row by row and keep the row shape."""
+    inner = self.transform
+    both = fn if inner is None else (lambda rows: fn(inner(rows)))
+    return RowTable(self.source, self.table, both, self.dtype)
 
   def _whole(self) -> np.ndarray:
     return self.block(0, len(self))
@@ -87,8 +112,8 @@ class ClientRows(LazyHostArray):
       return self.block(*index.indices(len(self))[:2])
     if (isinstance(index, (list, np.ndarray)) and np.ndim(index) == 1 and
         np.asarray(index).dtype.kind in 'iu'):
-      return ClientRows(self.source, [self.parts[i] for i in
-                                      np.asarray(index)], self.n)
+      keys = np.arange(len(self))[np.asarray(index)]   # negatives wrap
+      return self.regroup(keys, 1)
     head, rest = (index[0], index[1:]) if isinstance(index, tuple) else (
         index, ())
     if isinstance(head, (int, np.integer)):
@@ -97,7 +122,27 @@ class ClientRows(LazyHostArray):
     return np.asarray(self)[index]
 
   def __repr__(self) -> str:
-    return f'ClientRows(shape={self.shape}, dtype={self.dtype})'
+    return f'{type(self).__name__}(shape={self.shape}, dtype={self.dtype})'
+
+
+class ClientRows(RowTable):
+  """Clients' examples as a lazy [K, N, ...] RowTable, padded with zeros to
+  N: client k's row indices `parts[k]` into the source, then padding."""
+
+  def __init__(self, source, parts: list[np.ndarray], n: int):
+    self.parts = [np.asarray(p, np.int64) for p in parts]
+    self.n = int(n)
+    table = np.full((len(self.parts), self.n), -1, np.int64)
+    for k, p in enumerate(self.parts):
+      table[k, :len(p)] = p
+    super().__init__(source, table)
+
+  def __getitem__(self, index):
+    if (isinstance(index, (list, np.ndarray)) and np.ndim(index) == 1 and
+        np.asarray(index).dtype.kind in 'iu'):
+      return ClientRows(self.source, [self.parts[i] for i in
+                                      np.asarray(index)], self.n)
+    return super().__getitem__(index)
 
 
 def stack_clients(x, y: np.ndarray, parts: list[np.ndarray]
@@ -130,19 +175,20 @@ def stack_eval_sets(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray],
   T = ceil(longest / batch_size) batches of B = ceil(longest / T). Many
   small clients (1,000 clients with a few test examples each) are not
   padded to a full evaluation batch each, which would cost memory and
-  forward passes a hundred times their data.
+  forward passes a hundred times their data. x is a lazy RowTable over
+  the source (built by client block when placed); y and mask are numpy.
   """
   longest = max((len(p) for p in parts), default=0)
   t = max(1, -(-longest // batch_size))
   batch_size = max(1, -(-longest // t))
-  batched = [pad_to_batches(x[p], y[p].astype(np.int32), batch_size)
-             for p in parts]
-  out_x = np.zeros((len(parts), t, batch_size, *x.shape[1:]), x.dtype)
-  out_y = np.zeros((len(parts), t, batch_size), np.int32)
-  out_m = np.zeros((len(parts), t, batch_size), bool)
-  for k, (bx, by, bm) in enumerate(batched):
-    out_x[k, :len(bx)], out_y[k, :len(by)], out_m[k, :len(bm)] = bx, by, bm
-  return EvalSet(out_x, out_y, out_m)
+  table = np.full((len(parts), t * batch_size), -1, np.int64)
+  out_y = np.zeros((len(parts), t * batch_size), np.int32)
+  for k, p in enumerate(parts):
+    table[k, :len(p)] = p
+    out_y[k, :len(p)] = y[p]
+  shape = (len(parts), t, batch_size)
+  return EvalSet(RowTable(x, table.reshape(shape)), out_y.reshape(shape),
+                 table.reshape(shape) >= 0)
 
 
 def subsample_rows(num_train: int, max_train_examples: int,
@@ -230,7 +276,11 @@ def build_federated_setup(dataset: Dataset, *, num_clients: int,
                            f'{global_test_per_class}')
       keep.append(rng.choice(rows, global_test_per_class, replace=False))
     keep = np.sort(np.concatenate(keep))
-    test_x, test_y = test_x[keep], test_y[keep]
+  else:
+    keep = np.arange(len(test_y))
+  # Lazy (RowTable): a process builds only the batches its devices
+  # evaluate (engine.place_clients), never the whole padded set.
+  test_x, test_y = RowTable(test_x, keep), test_y[keep]
   return FederatedSetup(
       train=stack_clients(dataset.train_x, y, train_parts),
       local_test=stack_eval_sets(dataset.train_x, y, test_parts,

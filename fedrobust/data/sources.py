@@ -485,12 +485,14 @@ def load_tfds(name: str, data_dir: str | None) -> Dataset:
     )
   except not_prepared_errors as e:
     raise DataNotFoundError(_tfds_not_found_message(name, data_dir, e)) from e
-  # The training images stay in their files (RecordImages): a run reads
-  # only the examples of the clients it places. The labels (which the
-  # partition needs) and the test split are read now.
+  # The images stay in their files (RecordImages): a run reads only the
+  # examples of the clients it places, and of the test batches its
+  # devices evaluate. The labels (which the partition and the evaluation
+  # masks need) are read now.
   _, train_y = _read_split(sources['train'], 'train', images=False)
   train_x = RecordImages(sources['train'], 'train')
-  test_x, test_y = _read_split(sources['test'], 'test')
+  _, test_y = _read_split(sources['test'], 'test', images=False)
+  test_x = RecordImages(sources['test'], 'test')
   features = sources['train'].dataset_info.features
   return Dataset(
       train_x=train_x,

@@ -17,17 +17,39 @@ from fedrobust.engine.execution import CLIENT_AXIS
 Params = Any
 
 
+def regroup(a: Any, index: np.ndarray, lead: int) -> Any:
+  """Host-side: the array whose first axes are `index` (any shape) over
+  a's first `lead` axes flattened; a negative entry gives a zero entry
+  (False for a mask). A lazy array (data.RowTable, with a `regroup`
+  method) re-cuts its index table instead, so evaluation sets stay lazy
+  through pad_to_batches, rebatch and pad_leading until a process builds
+  its own devices' block (engine.place_clients)."""
+  index = np.asarray(index, np.int64)
+  if hasattr(a, 'regroup'):
+    return a.regroup(index, lead)
+  a = np.asarray(a)
+  flat = a.reshape((-1, *a.shape[lead:]))
+  out = np.zeros((*index.shape, *flat.shape[1:]), a.dtype)
+  real = index >= 0
+  out[real] = flat[index[real]]
+  return out
+
+
+def _batch_index(m: int, batch_size: int, batches: int = 0) -> np.ndarray:
+  """[T, B] positions 0 .. m - 1 in order, then -1: T = ceil(m / B) (at
+  least 1), or `batches` when that is more."""
+  t = max(1, -(-m // batch_size), batches)
+  index = np.full(t * batch_size, -1, np.int64)
+  index[:m] = np.arange(m)
+  return index.reshape(t, batch_size)
+
+
 def pad_to_batches(x: np.ndarray, y: np.ndarray, batch_size: int
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Host-side: [M, ...] -> [T, B, ...] plus mask [T, B]."""
-  m = len(y)
-  t = max(1, -(-m // batch_size))
-  pad = t * batch_size - m
-  xs = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
-  ys = np.concatenate([y, np.zeros(pad, y.dtype)])
-  mask = np.arange(t * batch_size) < m
-  return (xs.reshape(t, batch_size, *x.shape[1:]),
-          ys.reshape(t, batch_size), mask.reshape(t, batch_size))
+  """Host-side: [M, ...] -> [T, B, ...] plus mask [T, B] (a lazy x stays
+  lazy: `regroup`)."""
+  index = _batch_index(len(y), batch_size)
+  return regroup(x, index, 1), regroup(y, index, 1), index >= 0
 
 
 def evaluate_sums(apply_fn: Callable, params: Params, x: jax.Array,
@@ -130,33 +152,30 @@ def rebatch(x: np.ndarray, y: np.ndarray, mask: np.ndarray, multiple: int
   batches go to each device. The unmasked examples keep their order;
   padding is masked. T' = multiple * ceil(T / multiple) and
   B' = ceil(M / T') for M examples, so at most multiple - 1 batches'
-  worth of padding is added where the example count does not split."""
-  x, y, mask = np.asarray(x), np.asarray(y), np.asarray(mask)
-  t = x.shape[0]
+  worth of padding is added where the example count does not split. A
+  lazy x stays lazy (`regroup`)."""
+  mask = np.asarray(mask)
+  t = mask.shape[0]
   if t % multiple == 0:
     return x, y, mask
-  keep = mask.reshape(-1)
-  flat_x = x.reshape(-1, *x.shape[2:])[keep]
-  flat_y = y.reshape(-1)[keep]
+  keep = np.flatnonzero(mask.reshape(-1))
   t_new = multiple * -(-t // multiple)
-  b_new = max(1, -(-len(flat_y) // t_new))
-  bx, by, bm = pad_to_batches(flat_x, flat_y, b_new)
-  pad = t_new - bx.shape[0]
-  return (np.concatenate([bx, np.zeros((pad, *bx.shape[1:]), bx.dtype)]),
-          np.concatenate([by, np.zeros((pad, *by.shape[1:]), by.dtype)]),
-          np.concatenate([bm, np.zeros((pad, *bm.shape[1:]), bool)]))
+  cut = _batch_index(len(keep), max(1, -(-len(keep) // t_new)), t_new)
+  index = np.where(cut >= 0, keep[np.maximum(cut, 0)] if len(keep) else -1,
+                   -1)
+  return regroup(x, index, 2), regroup(y, index, 2), index >= 0
 
 
 def pad_leading(tree: Any, multiple: int) -> Any:
   """Host-side: every leaf's leading axis zero-padded (False for masks) to
-  a multiple of `multiple`. Padded clients have no unmasked example, so
-  their count is 0."""
+  a multiple of `multiple` (a lazy leaf stays lazy: `regroup`). Padded
+  clients have no unmasked example, so their count is 0."""
   def pad(a):
-    a = np.asarray(a)
     extra = -a.shape[0] % multiple
     if not extra:
       return a
-    return np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])
+    return regroup(a, np.concatenate([np.arange(a.shape[0]),
+                                      np.full(extra, -1)]), 1)
   return jax.tree.map(pad, tree)
 
 
