@@ -551,6 +551,8 @@ class RowTableTest(parameterized.TestCase):
     self.source.read.clear()
     self.assertEqual(px.block(6, 8).sum(), 0)   # padding: nothing read
     self.assertEqual(self.source.read, set())
+    with self.assertRaisesRegex(ValueError, r'lead must be in \[1, 2\]'):
+      px.regroup(np.arange(3), 3)
 
   def test_per_client_sets_are_lazy(self):
     parts = [np.array([3, 7]), np.array([], np.int64), np.array([0, 1, 2])]

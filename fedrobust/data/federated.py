@@ -71,7 +71,7 @@ class RowTable(LazyHostArray):
     self.table = np.asarray(table, np.int64)
     self.transform = transform
     self.shape = (*self.table.shape, *source.shape[1:])
-    self.dtype = np.dtype(dtype or source.dtype)
+    self.dtype = np.dtype(source.dtype if dtype is None else dtype)
 
   def block(self, lo: int, hi: int) -> np.ndarray:
     """Entries lo .. hi - 1 of the first axis as an array."""
@@ -89,6 +89,9 @@ class RowTable(LazyHostArray):
   def regroup(self, index: np.ndarray, lead: int) -> 'RowTable':
     """The array whose first axes are `index` over the first `lead` axes
     flattened (negative: a zero entry), lazily (engine.evaluate.regroup)."""
+    if not 1 <= lead <= self.table.ndim:
+      raise ValueError(f'lead must be in [1, {self.table.ndim}] (the '
+                       f'table\'s axes), got {lead}')
     index = np.asarray(index, np.int64)
     flat = self.table.reshape((-1, *self.table.shape[lead:]))
     if not flat.shape[0]:                  # nothing to take: all padding
