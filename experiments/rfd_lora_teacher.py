@@ -125,7 +125,8 @@ def analyze(workdir: str, round_: int | None = None,
   tx, target, ttrue = program.threat.triggered_test
   target = int(target[0])
   exclude = not np.any(ttrue == target)
-  tb = pad_to_batches(tx, ttrue, x.shape[1])
+  # Built here in full (the triggered inputs are lazy: data.RowTable).
+  tb = tuple(np.asarray(a) for a in pad_to_batches(tx, ttrue, x.shape[1]))
   tkeep = tb[2].reshape(-1)
   anchors = program.server_data['anchors']
   ab = pad_to_batches(np.asarray(anchors), np.zeros(len(anchors), np.int32),

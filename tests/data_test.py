@@ -962,6 +962,39 @@ class TfdsTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(setup.train.x),
                                   np.asarray(eager.train.x))
 
+  def test_test_images_are_read_by_batch(self):
+    """TFDS test images stay in their files too: only the labels are read
+    at load, the global test set is built lazily, and a batch of it reads
+    only its own records."""
+    data_dir = self.create_tempdir().full_path
+    name = _prepare_tiny_tfds(self.tfds, data_dir, num_train=12, num_test=11)
+    ds = sources.load_tfds(name, data_dir)
+    self.assertIsInstance(ds.test_x, sources.RecordImages)
+    full, labels = sources._read_split(ds.test_x.source, 'test')
+    np.testing.assert_array_equal(labels, ds.test_y)
+    read = set()
+    records = ds.test_x.source
+
+    class Records:
+      def __len__(self):
+        return len(records)
+
+      def __getitem__(self, i):
+        read.add(int(i))
+        return records[i]
+
+    images = sources.RecordImages(Records(), 'test')
+    read.clear()   # the shape came from record 0
+    setup = federated.build_federated_setup(
+        ds._replace(test_x=images, train_x=np.asarray(ds.train_x)),
+        num_clients=2, partition_name='iid', seed=0, eval_batch_size=4)
+    self.assertIsInstance(setup.test.x, federated.RowTable)
+    self.assertEqual(read, set())
+    np.testing.assert_array_equal(setup.test.x.block(1, 2)[0], full[4:8])
+    self.assertEqual(read, {4, 5, 6, 7})
+    np.testing.assert_array_equal(np.asarray(setup.test.x)[setup.test.mask],
+                                  full)
+
   def test_reads_in_batches_and_without_getitems(self):
     data_dir = self.create_tempdir().full_path
     name = _prepare_tiny_tfds(self.tfds, data_dir, num_train=23, num_test=1)
