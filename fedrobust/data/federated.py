@@ -17,7 +17,7 @@ from fedrobust.data.partition import (SUPERCLASSES, class_histograms,
 from fedrobust.errors import SettingError
 from fedrobust.data.sources import Dataset, LazyHostArray
 from fedrobust.data.splits import local_train_test_split, make_server_splits
-from fedrobust.engine.evaluate import pad_to_batches
+from fedrobust.engine.evaluate import compose_index, pad_to_batches, regroup
 from fedrobust.types import FederatedData
 
 
@@ -92,13 +92,8 @@ class RowTable(LazyHostArray):
     if not 1 <= lead <= self.table.ndim:
       raise ValueError(f'lead must be in [1, {self.table.ndim}] (the '
                        f'table\'s axes), got {lead}')
-    index = np.asarray(index, np.int64)
-    flat = self.table.reshape((-1, *self.table.shape[lead:]))
-    if not flat.shape[0]:                  # nothing to take: all padding
-      flat = np.full((1, *flat.shape[1:]), -1, np.int64)
-    table = np.where((index >= 0).reshape(index.shape + (1,) * (
-        self.table.ndim - lead)), flat[np.maximum(index, 0)], -1)
-    return RowTable(self.source, table, self.transform, self.dtype)
+    return RowTable(self.source, compose_index(self.table, index, lead),
+                    self.transform, self.dtype)
 
   def mapped(self, fn: Callable[[np.ndarray], np.ndarray]) -> 'RowTable':
     """The same rows passed through fn (after any transform already
@@ -128,6 +123,15 @@ class RowTable(LazyHostArray):
     return f'{type(self).__name__}(shape={self.shape}, dtype={self.dtype})'
 
 
+def parts_table(parts: list[np.ndarray], n: int) -> np.ndarray:
+  """int64[K, n]: row k holds parts[k] (indices into a source), then -1
+  (padding), the index table of a RowTable."""
+  table = np.full((len(parts), n), -1, np.int64)
+  for k, p in enumerate(parts):
+    table[k, :len(p)] = p
+  return table
+
+
 class ClientRows(RowTable):
   """Clients' examples as a lazy [K, N, ...] RowTable, padded with zeros to
   N: client k's row indices `parts[k]` into the source, then padding."""
@@ -135,10 +139,7 @@ class ClientRows(RowTable):
   def __init__(self, source, parts: list[np.ndarray], n: int):
     self.parts = [np.asarray(p, np.int64) for p in parts]
     self.n = int(n)
-    table = np.full((len(self.parts), self.n), -1, np.int64)
-    for k, p in enumerate(self.parts):
-      table[k, :len(p)] = p
-    super().__init__(source, table)
+    super().__init__(source, parts_table(self.parts, self.n))
 
   def __getitem__(self, index):
     if (isinstance(index, (list, np.ndarray)) and np.ndim(index) == 1 and
@@ -164,10 +165,9 @@ def stack_clients(x, y: np.ndarray, parts: list[np.ndarray]
   """
   counts = np.array([len(p) for p in parts], np.int32)
   n = max(1, int(counts.max(initial=0)))
-  ys = np.zeros((len(parts), n), np.int32)
-  for k, p in enumerate(parts):
-    ys[k, :len(p)] = y[p]
-  return FederatedData(ClientRows(x, parts, n), ys, counts)
+  rows = ClientRows(x, parts, n)
+  ys = regroup(np.asarray(y, np.int32), rows.table, 1)
+  return FederatedData(rows, ys, counts)
 
 
 def stack_eval_sets(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray],
@@ -184,14 +184,10 @@ def stack_eval_sets(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray],
   longest = max((len(p) for p in parts), default=0)
   t = max(1, -(-longest // batch_size))
   batch_size = max(1, -(-longest // t))
-  table = np.full((len(parts), t * batch_size), -1, np.int64)
-  out_y = np.zeros((len(parts), t * batch_size), np.int32)
-  for k, p in enumerate(parts):
-    table[k, :len(p)] = p
-    out_y[k, :len(p)] = y[p]
-  shape = (len(parts), t, batch_size)
-  return EvalSet(RowTable(x, table.reshape(shape)), out_y.reshape(shape),
-                 table.reshape(shape) >= 0)
+  table = parts_table(parts, t * batch_size).reshape(
+      len(parts), t, batch_size)
+  return EvalSet(RowTable(x, table),
+                 regroup(np.asarray(y, np.int32), table, 1), table >= 0)
 
 
 def subsample_rows(num_train: int, max_train_examples: int,

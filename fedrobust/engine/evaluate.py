@@ -35,6 +35,14 @@ def regroup(a: Any, index: np.ndarray, lead: int) -> Any:
   return out
 
 
+def compose_index(table: np.ndarray, index: np.ndarray,
+                  lead: int) -> np.ndarray:
+  """Host-side: `regroup` of an index table (negative entries: padding),
+  with the padding kept negative: entries `index` of `table`'s first
+  `lead` axes flattened, -1 where either is negative."""
+  return regroup(np.asarray(table, np.int64) + 1, index, lead) - 1
+
+
 def _batch_index(m: int, batch_size: int, batches: int = 0) -> np.ndarray:
   """[T, B] positions 0 .. m - 1 in order, then -1: T = ceil(m / B) (at
   least 1), or `batches` when that is more."""
@@ -161,8 +169,7 @@ def rebatch(x: np.ndarray, y: np.ndarray, mask: np.ndarray, multiple: int
   keep = np.flatnonzero(mask.reshape(-1))
   t_new = multiple * -(-t // multiple)
   cut = _batch_index(len(keep), max(1, -(-len(keep) // t_new)), t_new)
-  index = np.where(cut >= 0, keep[np.maximum(cut, 0)] if len(keep) else -1,
-                   -1)
+  index = compose_index(keep, cut, 1)
   return regroup(x, index, 2), regroup(y, index, 2), index >= 0
 
 
