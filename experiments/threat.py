@@ -363,7 +363,8 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
     chosen = np.random.default_rng(config['seed'] + 7).choice(
         k, num_malicious, replace=False)
     malicious = jnp.zeros(k, bool).at[chosen].set(True)
-  if name in aggregators.UNLEARNING_RULES:
+  if name in aggregators.UNLEARNING_RULES or (
+      name in aggregators.TOLD_RULES and agg_kwargs.get('unlearn_round')):
     if malicious is None:
       raise ValueError(f'--aggregator={name} forgets the attackers: it needs '
                        '--attack with a fixed malicious set (no '

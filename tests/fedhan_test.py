@@ -474,7 +474,7 @@ class RuleTest(absltest.TestCase):
 class RecoveryTest(absltest.TestCase):
   """Sec. 3.5.4: rollback and replay without the detected clients."""
 
-  def run_rounds(self, rollback, dtype='float32'):
+  def run_rounds(self, rollback, dtype='float32', **kwargs):
     """Four benign clients send d, two attackers -5 d, every round, full
     width, no staleness. Detection may flag from round 4 only, so rounds
     1-3 take the attackers in. Updates do not depend on the model, so the
@@ -483,9 +483,9 @@ class RecoveryTest(absltest.TestCase):
     Returns the sum of the returned updates (the model's displacement),
     the per-round infos and the final state."""
     n, dim = 6, 4
-    agg = get_aggregator('fedhan', num_clients=n, detect_start=4,
-                         rollback=rollback, recovery_slots=8,
-                         history=8, cache_dtype=dtype)
+    kwargs = dict(dict(detect_start=4, history=8), **kwargs)
+    agg = get_aggregator('fedhan', num_clients=n, rollback=rollback,
+                         recovery_slots=8, cache_dtype=dtype, **kwargs)
     d = np.array([1.0, -2.0, 0.5, 1.5], np.float32)
     u = np.stack([d] * 4 + [-5.0 * d] * 2)
     ids = jnp.arange(n, dtype=jnp.int32)
@@ -517,6 +517,66 @@ class RecoveryTest(absltest.TestCase):
     moved0, infos0, _, _ = self.run_rounds(rollback=0)
     np.testing.assert_allclose(moved0, -d, rtol=1e-5)
     self.assertEqual(sum(float(i['recovered']) for i in infos0), 0.0)
+
+  def test_told_mode_replays_from_the_start_without_the_told_clients(self):
+    """Told in round 4 (detection off), a rollback of 3 replays rounds
+    1-3 from the initial model: as with detection, the model moves 5 d;
+    told without a rollback the attackers are only banned from round 4.
+    The default history grows with the rollback."""
+    forget = np.arange(6) >= 4
+    told = dict(detect=False, unlearn_round=4, forget=forget, history=None)
+    moved, infos, state, d = self.run_rounds(rollback=3, **told)
+    self.assertEqual([float(i['recovered']) for i in infos],
+                     [0, 0, 0, 1, 0])
+    self.assertEqual(float(infos[3]['replayed']), 3.0)
+    np.testing.assert_allclose([i['weights'][5] for i in infos],
+                               [1 / 6] * 3 + [0.0] * 2, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state.banned), forget)
+    np.testing.assert_allclose(moved, 5 * d, rtol=1e-5)
+    moved, infos, state, _ = self.run_rounds(rollback=0, **told)
+    self.assertEqual(sum(float(i['recovered']) for i in infos), 0.0)
+    np.testing.assert_allclose(moved, -3 * d + 2 * d, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(state.banned), forget)
+    # Told nobody new (the detector banned them first): no second recovery.
+    moved, infos, _, _ = self.run_rounds(
+        rollback=3, unlearn_round=5, forget=forget)
+    self.assertEqual([float(i['recovered']) for i in infos],
+                     [0, 0, 0, 1, 0])
+    np.testing.assert_allclose(moved, 5 * d, rtol=1e-5)
+    agg = get_aggregator('fedhan', num_clients=6, rollback=30,
+                         unlearn_round=31, forget=forget)
+    self.assertEqual(agg.init({'w': jnp.zeros((2,))}).history.shape,
+                     (32, 2))
+
+  def test_replay_drops_a_historical_term_that_took_a_banned_row(self):
+    """Client 5 uploads 3 d in round 1 only; in rounds 2-3 its cached row
+    (cosine 1 with the arrivals' d) is Eq. 7's only candidate, so those
+    rounds apply d + alpha 3 d. Told in round 4, the replay of rounds 1-3
+    takes neither its upload nor the two historical terms that took its
+    row: the model moves d a round. No L-BFGS pair has curvature (the
+    applied updates grow, then stay), so the replay is exact."""
+    n, dim = 6, 4
+    d = np.array([1.0, -2.0, 0.5, 1.5], np.float32)
+    u = jnp.asarray(np.stack([d] * 5 + [3.0 * d]))
+    ids = jnp.arange(n, dtype=jnp.int32)
+    agg = get_aggregator('fedhan', num_clients=n, detect=False, rollback=3,
+                         recovery_slots=8, unlearn_round=4,
+                         forget=np.arange(n) == 5)
+    step = jax.jit(lambda mask, st: call_aggregator(
+        agg, {'w': u}, mask, st, jax.random.key(0), ids=ids,
+        staleness=jnp.zeros(n, jnp.int32), coverage=None))
+    state = agg.init({'w': jnp.zeros((dim,))})
+    moved, infos = np.zeros(dim), []
+    for round_ in range(1, 5):
+      out, state, info = step(jnp.asarray(np.arange(n) < (6 if round_ == 1
+                                                          else 5)), state)
+      moved += np.asarray(out['w'])
+      infos.append(jax.tree.map(np.asarray, info))
+    self.assertEqual([float(i['history_selected']) for i in infos],
+                     [0, 1, 1, 0])
+    self.assertEqual(float(infos[3]['replayed']), 3.0)
+    self.assertEqual(float(infos[3]['recovery_history_dropped']), 2.0)
+    np.testing.assert_allclose(moved, 4 * d, rtol=1e-5)
 
   def test_a_later_recovery_stops_at_the_earlier_one(self):
     """Client 6 sends d until round 4 and -5 d from round 5: flagged in
@@ -630,6 +690,32 @@ class RecoveryTest(absltest.TestCase):
     self.assertEqual(float(infos0[3]['recovery_client_rounds']), 0.0)
     self.assertGreater(np.abs(w0 - ref0).max(), 1e-3)
 
+  def test_without_exact_rounds_the_stored_updates_replay_uncorrected(self):
+    """No exact round, so no L-BFGS pair (lbfgs_pairs='exact', the
+    default): rounds 1-3 are replayed as the benign clients' stored steps,
+    taken at the recorded (poisoned) models, and round 4 adds its own
+    arrivals' step. The trajectory's pairs correct that replay."""
+    n_benign, lr = 4, 0.3
+    rng = np.random.default_rng(7)
+    c = (np.array([1.0, -2.0, 0.5, 1.5]) +
+         0.05 * rng.normal(size=(4, 4))).astype(np.float32)
+    w, replayed = np.zeros(4), np.zeros(4)
+    for _ in range(3):   # the recorded rounds, attackers in (mean of 6)
+      steps = lr * (c - w[None])
+      replayed = replayed + steps.mean(0)
+      w = w + (steps.sum(0) + 2 * 3.0) / 6
+    expected = replayed + (lr * (c - w[None])).mean(0)
+    got, _, infos, _ = self.quadratic_run()
+    self.assertEqual(n_benign, len(c))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    # The exact-rounds path with no exact round in the window computes the
+    # same numbers (BUILD_NOTES §3d's session 41 run used it).
+    far, _, _, _ = self.quadratic_run(exact_every=1000)
+    np.testing.assert_array_equal(far, got)
+    traj, _, infos_t, _ = self.quadratic_run(lbfgs_pairs='trajectory')
+    self.assertEqual(float(infos_t[3]['replayed']), 3.0)
+    self.assertGreater(np.abs(traj - expected).max(), 1e-3)
+
   def test_correction_never_moves_the_replay_further_away(self):
     rng = np.random.default_rng(4)
     for _ in range(50):
@@ -655,7 +741,7 @@ class RecoveryTest(absltest.TestCase):
       self.assertEqual(nbytes(state.cache),
                        fc.cache_bytes(5, 7, jnp.dtype(dtype)))
       self.assertEqual(nbytes(state.record),
-                       recovery_bytes(3, 4, 7, jnp.dtype(dtype)))
+                       recovery_bytes(3, 4, 7, 5, jnp.dtype(dtype)))
 
   def test_settings_are_checked(self):
     for kwargs, name in ((dict(rollback=4, history=5), 'history'),
@@ -663,7 +749,14 @@ class RecoveryTest(absltest.TestCase):
                          (dict(detect_start=0), 'detect_start'),
                          (dict(ban_after=0), 'ban_after'),
                          (dict(exact_warmup=2), 'exact_warmup'),
-                         (dict(rollback=2, exact_every=-1), 'exact_every')):
+                         (dict(rollback=2, exact_every=-1), 'exact_every'),
+                         (dict(forget=np.ones(3, bool)), 'forget'),
+                         (dict(unlearn_round=3), 'forget'),
+                         (dict(unlearn_round=3, forget=np.ones(4, bool)),
+                          'forget'),
+                         (dict(unlearn_round=1, forget=np.ones(3, bool)),
+                          'unlearn_round'),
+                         (dict(lbfgs_pairs='both'), 'lbfgs_pairs')):
       with self.assertRaisesRegex(ValueError, name):
         get_aggregator('fedhan', num_clients=3, **kwargs)
 

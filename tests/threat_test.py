@@ -46,6 +46,37 @@ def build(config, client_steps=0, validation_size=40):
       group_sizes=(config['clients_per_round'],), client_steps=client_steps)
 
 
+class ToldRecoveryTest(absltest.TestCase):
+  """FedHAN's told mode gets the run's attackers as `forget`, as the
+  unlearning baselines do; without --fedhan_unlearn_round it gets none."""
+
+  def test_fedhan_is_told_the_fixed_malicious_set(self):
+    real = aggregators.get_aggregator
+    for round_, told in ((5, True), (0, False)):
+      seen = {}
+
+      def spy(name, **kwargs):
+        seen.update(kwargs)
+        return real(name, **kwargs)
+
+      config = make_config(method='fedhan', aggregator='fedhan',
+                           attack='label_flip', malicious_fraction=0.25,
+                           fedhan_unlearn_round=round_)
+      with mock.patch.object(threat_lib.aggregators, 'get_aggregator', spy):
+        setup = build(config)
+      self.assertEqual(seen['unlearn_round'], round_)
+      if told:
+        np.testing.assert_array_equal(seen['forget'],
+                                      np.asarray(setup.threat.malicious))
+        self.assertEqual(int(np.sum(seen['forget'])), 2)
+      else:
+        self.assertNotIn('forget', seen)
+    with self.assertRaisesRegex(ValueError, 'fixed malicious set'):
+      build(make_config(method='fedhan', aggregator='fedhan',
+                        attack='label_flip', malicious_fraction=0.25,
+                        resample_malicious=True, fedhan_unlearn_round=5))
+
+
 class TypicalClientStepsTest(absltest.TestCase):
 
   def test_mean_of_the_clients_real_steps(self):

@@ -174,3 +174,7 @@ CLIENT_ID_RULES = ('fldetector', 'fedhan', 'foolsgold_ids', 'federaser',
 # Unlearning baselines: told whom to forget (factory arg `forget`, bool[K]:
 # the run's attackers, i.e. they presume perfect detection).
 UNLEARNING_RULES = ('federaser', 'crab')
+# Rules that may be told, with unlearn_round > 0 (FedHAN's recovery in the
+# told mode of the recovery experiments); they detect by themselves
+# otherwise.
+TOLD_RULES = ('fedhan',)

@@ -37,12 +37,17 @@ replays rounds t = j-m .. j-1 from w_{j-m}: each round's update becomes
 the Eq. 5-6 aggregate of its arrivals that are not banned, plus
 alpha gtilde_t, corrected for the model it is now applied to by Eq. 10,
   ghat_t = gbar_t - H (what_t - w_t),
-with H v the L-BFGS product (fldetector.lbfgs_hvp) from pairs of the
-recorded trajectory (s_t = applied update t, y_t = applied update t minus
-applied update t + 1: the change of the descent direction, in the delta
-convention). The round returns (what_j - w_j) + ghat_j, which moves the
-model to the replayed trajectory. The correction is scaled so it never
-moves the replay away from the recorded model (`safe_step`).
+with H v the L-BFGS product (fldetector.lbfgs_hvp) from the exact rounds'
+pairs (below; without exact rounds H = 0 and the stored updates are
+applied as they are). The round returns (what_j - w_j) + ghat_j, which
+moves the model to the replayed trajectory. The correction is scaled so it
+never moves the replay away from the recorded model (`safe_step`).
+`lbfgs_pairs='trajectory'` takes the pairs from the recorded trajectory
+instead (s_t = applied update t, y_t = applied update t minus applied
+update t + 1: the change of the descent direction, in the delta
+convention), as before 2026-11-29; those pairs hold the attackers' part of
+the aggregate, and the correction they give pulled a replay back toward
+the backdoor it was removing (BUILD_NOTES §3d, "Session 41").
 
 Exact rounds (Sec. 3.5.4 and 4.1's O(T_w + (m - T_w) / T_c) extra client
 rounds). With `exact_warmup` = T_w and `exact_every` = T_c, replayed
@@ -59,14 +64,19 @@ retrain from w_t with the keys of their retraining from what_t (two
 trainings per client and exact round, one where what_t = w_t; with fresh
 batches the pair would
 also hold the sampling difference of two trainings, BUILD_NOTES §3d
-"Session 35"). With exact rounds on, the L-BFGS product of the estimated
-rounds uses these pairs (the paper's Delta W, Delta G) instead of the
-trajectory's, and is 0 before the first exact round. Without exact rounds
-(the default, T_w = 0 and T_c = 0) no client computes anything during the
-replay, and the rounds after the recovery are the exact ones.
+"Session 35"). The L-BFGS product of the estimated rounds uses these pairs
+(the paper's Delta W, Delta G), and is 0 before the first exact round.
+Without exact rounds (the default, T_w = 0 and T_c = 0) no client computes
+anything during the replay, and the rounds after the recovery are the
+exact ones.
 
 After a recovery the record before it is dropped: a later recovery
 replays only the rounds since, and its L-BFGS pairs too.
+
+A replayed round keeps its recorded historical term alpha gtilde_t (Eq. 8)
+only if that term took no cached row of a client banned now: the record
+keeps which clients each round's Eq. 7 selection took (m N bools), not
+their rows, so a term that took a banned client's row is dropped whole.
 
 The update returned is in the engine's delta convention (client - server,
 so FedHAN's "w - eta g" is "w + server_lr * update").
@@ -88,12 +98,13 @@ Assumptions where the paper is silent (BUILD_NOTES §3d):
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedrobust.aggregators.base import Aggregator
+from fedrobust.aggregators.federaser import unlearning_request
 from fedrobust.aggregators.finetune import first_client, ravel_one
 from fedrobust.aggregators.fldetector import lbfgs_hvp
 from fedrobust.aggregators.mean import setting
@@ -101,6 +112,7 @@ from fedrobust.aggregators import fedhan_cache as fc
 from fedrobust.tree import ravel_clients, unravel_like
 
 CACHE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+LBFGS_PAIRS = ('exact', 'trajectory')
 
 
 class RecoveryRecord(NamedTuple):
@@ -111,6 +123,7 @@ class RecoveryRecord(NamedTuple):
   kept: jax.Array      # bool[m, S]
   gtilde: jax.Array    # float32[m, D] the round's historical aggregate
   round: jax.Array     # int32[m], the round a row holds (0: none)
+  selected: jax.Array  # bool[m, N], whose cached rows gtilde took (Eq. 7)
 
 
 class FedHANState(NamedTuple):
@@ -126,19 +139,21 @@ class FedHANState(NamedTuple):
                              # cannot roll back past (a recovery, or 0)
 
 
-def recovery_bytes(rollback: int, slots: int, dim: int,
+def recovery_bytes(rollback: int, slots: int, dim: int, num_clients: int,
                    dtype=jnp.float32) -> int:
-  """Bytes of the recovery record: 2 m S D values plus m D float32."""
+  """Bytes of the recovery record: 2 m S D values plus m D float32 and
+  m N bools."""
   item = fc.storage_dtype(dtype).itemsize
-  return rollback * (2 * slots * dim * item + slots * 5 + dim * 4 + 4)
+  return rollback * (2 * slots * dim * item + slots * 5 + dim * 4 + 4 +
+                     num_clients)
 
 
-def _empty_record(m: int, s: int, d: int, dtype) -> RecoveryRecord:
+def _empty_record(m: int, s: int, d: int, n: int, dtype) -> RecoveryRecord:
   z = jnp.zeros((m, s, d), fc.storage_dtype(dtype))
   return RecoveryRecord(z, z,
                         jnp.zeros((m, s), jnp.int32), jnp.zeros((m, s), bool),
                         jnp.zeros((m, d), jnp.float32),
-                        jnp.zeros((m,), jnp.int32))
+                        jnp.zeros((m,), jnp.int32), jnp.zeros((m, n), bool))
 
 
 def safe_step(delta: jax.Array, hv: jax.Array) -> jax.Array:
@@ -203,10 +218,13 @@ def _history_info(estimate: jax.Array, extra: jax.Array, selected: jax.Array,
 def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
            beta: float = 0.9, alpha: float = 0.2, sim_min: float = 0.5,
            tau_max: int = 10, eps: float = 0.5, min_samples: int = 2,
-           detect: bool = True, detect_start: int = 1, history: int = 16,
+           detect: bool = True, detect_start: int = 1,
+           history: int | None = None,
            rollback: int = 0, recovery_slots: int = 16,
            cache_dtype: str = 'float32', ban_after: int = 1,
-           exact_warmup: int = 0, exact_every: int = 0) -> Aggregator:
+           exact_warmup: int = 0, exact_every: int = 0,
+           lbfgs_pairs: str = 'exact', forget: Any = None,
+           unlearn_round: int = 0) -> Aggregator:
   """FedHAN's imputation, historical selection, detection and recovery.
 
   Args:
@@ -223,7 +241,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     detect_start: first round whose arrivals may be flagged (the paper's
       detector setting starts at round 50); earlier rounds are scored only.
     history: rounds of applied global updates kept (Eq. 9 reads the one a
-      stale model came from; older staleness reads the oldest).
+      stale model came from; older staleness reads the oldest); None:
+      max(16, rollback + 2), the fewest the replay needs.
     rollback: m, rounds the recovery rolls back and replays (0: no
       recovery, the flagged clients are only excluded from then on).
     recovery_slots: S, kept arrivals stored per round for the replay; more
@@ -242,6 +261,21 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       'params' and 'retrain' extras).
     exact_every: T_c, after the warm-up every T_c-th replayed round is
       exact (0: none).
+    lbfgs_pairs: where Eq. 10's L-BFGS pairs come from. 'exact': the exact
+      replayed rounds' (Delta w, Delta g) of the kept clients (the paper's
+      buffers Delta W, Delta G); without exact rounds there is none, and
+      the estimated rounds apply the stored updates uncorrected.
+      'trajectory': pairs of the recorded trajectory (applied update t and
+      its change to t + 1), the default until 2026-11-29; they describe the
+      aggregate with the attackers in it, and pulled a replayed model back
+      to the backdoor it was removing (BUILD_NOTES §3d, "Session 41").
+    forget, unlearn_round: the recovery experiments' told mode (as the
+      unlearning baselines FedEraser and Crab are told): in round
+      `unlearn_round` (>= 2; 0: off) the clients in `forget`
+      (bool[num_clients]) are banned, their uploads of that round dropped,
+      and a recovery rolls back `rollback` rounds without them (set
+      rollback = unlearn_round - 1 to replay from the initial model).
+      Detection runs alongside unless `detect` is off.
 
   Returns:
     Aggregator reading `ids`, `staleness` and `coverage` (with exact
@@ -256,15 +290,25 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     'recovery_lbfgs_error' (over the exact rounds that had an L-BFGS pair
     before them, their count 'recovery_lbfgs_scored': the mean of
     ||Delta g - H Delta w|| / ||Delta g||, how well the pairs predicted the
-    exact change; 1 is no better than no correction), and per arrival
+    exact change; 1 is no better than no correction),
+    'recovery_history_dropped' (replayed rounds whose Eq. 8 term took a
+    cached row of a client banned now, replayed without it), and per arrival
     'staleness', 'coverage' (share of the model it trained), 'update_norm'
     (||gbar_i||) and
     'global_norm' (||gchk_i||), both 0 if excluded.
   """
-  del num_byzantine
   if num_clients is None or num_clients < 1:
     raise setting('fedhan', 'num_clients', f'must be >= 1, got '
                   f'{num_clients}')
+  told = unlearn_round != 0
+  if told:
+    forget = unlearning_request('fedhan', num_byzantine, num_clients,
+                                forget, unlearn_round)
+  elif forget is not None:
+    raise setting('fedhan', 'forget', 'is read only in the told mode: set '
+                  'unlearn_round >= 2 too')
+  if history is None:
+    history = max(16, rollback + 2)
   for name, value, ok in (('beta', beta, 0.0 < beta <= 1.0),
                           ('alpha', alpha, alpha >= 0.0),
                           ('sim_min', sim_min, -1.0 <= sim_min <= 1.0),
@@ -280,7 +324,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                            cache_dtype in CACHE_DTYPES),
                           ('ban_after', ban_after, ban_after >= 1),
                           ('exact_warmup', exact_warmup, exact_warmup >= 0),
-                          ('exact_every', exact_every, exact_every >= 0)):
+                          ('exact_every', exact_every, exact_every >= 0),
+                          ('lbfgs_pairs', lbfgs_pairs,
+                           lbfgs_pairs in LBFGS_PAIRS)):
     if not ok:
       raise setting('fedhan', name, f'out of range: {value!r}')
   if rollback and history < rollback + 2:
@@ -309,7 +355,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                        jnp.zeros((num_clients,), bool),
                        jnp.zeros((num_clients,), jnp.int32),
                        jnp.zeros((), jnp.int32),
-                       _empty_record(m, recovery_slots, d, dtype) if m
+                       _empty_record(m, recovery_slots, d, num_clients,
+                                     dtype) if m
                        else None, jnp.zeros((), jnp.int32))
 
   def applied(state, t):
@@ -328,6 +375,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       pairs = (jnp.zeros((m, d), jnp.float32), jnp.zeros((m, d), jnp.float32),
                jnp.zeros((m,), bool))
       flat_params = ravel_one(params)
+    elif lbfgs_pairs == 'exact':   # no exact round, so no pair
+      pairs = (jnp.zeros((1, d), jnp.float32), jnp.zeros((1, d), jnp.float32),
+               jnp.zeros((1,), bool))
     else:
       # L-BFGS pairs from the recorded trajectory: rounds t = j-m-1 .. j-2,
       # oldest first (s_t = u_t, y_t = u_t - u_{t+1}).
@@ -339,6 +389,13 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       present = ok & ok_next & (ts > state.base) & (sy > 0)
       pairs = (s_pairs, y_pairs, present)
     hvp_of = lambda p: (lambda v: safe_step(v, lbfgs_hvp(*p, v)))
+    # Rows whose Eq. 8 term took no banned client's cached row, and the
+    # replayed rounds that lose their term.
+    clean = ~jnp.any(rec.selected & banned[None, :], axis=1)
+    ts_all = round_ - m + jnp.arange(m)
+    rows_all = jnp.mod(ts_all, m)
+    live_all = (rec.round[rows_all] == ts_all) & (ts_all > state.base)
+    dropped = jnp.sum(live_all & ~clean[rows_all]).astype(jnp.int32)
 
     def step(r, carry):
       delta, n, carried, behind, clients, exact_n, err_sum, err_n = carry
@@ -349,9 +406,12 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       keep = rec.kept[row] & ~banned.at[rec.ids[row]].get(
           mode='fill', fill_value=True)
       agg = fc.weighted(rec.gbar[row], rec.weight[row], ones, keep, alpha)
+      # The round's Eq. 8 term, unless it took a now-banned client's cached
+      # row (the term is one weighted sum; that row is not kept apart).
+      gtilde = jnp.where(clean[row], rec.gtilde[row], 0.0)
       u_t, _ = applied(state, t)
       if not exact:   # pairs stay the trajectory's (closed over)
-        ghat = agg + alpha * rec.gtilde[row] - hvp_of(pairs)(delta)
+        ghat = agg + alpha * gtilde - hvp_of(pairs)(delta)
         return (jnp.where(live, delta + ghat - u_t, delta),
                 n + live.astype(jnp.int32), (), behind, clients, exact_n,
                 err_sum, err_n)
@@ -400,7 +460,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
 
       g, pairs_, trained, once, err, scored = jax.lax.cond(
           live & is_exact(r), exact_update, estimated)
-      ghat = g + alpha * rec.gtilde[row]
+      ghat = g + alpha * gtilde
       return (jnp.where(live, delta + ghat - u_t, delta),
               n + live.astype(jnp.int32), pairs_, behind - u_t,
               clients + trained, exact_n + once, err_sum + err,
@@ -418,7 +478,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                                        zero)))
     err = jnp.where(err_n > 0, err_sum / jnp.maximum(err_n, 1), 0.0)
     return (delta, n, hvp_of(carried if exact else pairs), clients, exact_n,
-            err, err_n)
+            err, err_n, dropped)
 
   def aggregate(updates, mask, state, key, *, ids, staleness,
                 coverage=None, params=None, retrain=None):
@@ -426,9 +486,13 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     ids = jnp.asarray(ids, jnp.int32)
     mask = jnp.asarray(mask, bool)
     c = ids.shape[0]
-    banned = state.banned.at[ids].get(mode='fill', fill_value=True)
     tau = jnp.maximum(jnp.asarray(staleness, jnp.int32), 0)
     round_ = state.round + 1
+    before, told_now = state.banned, jnp.bool_(False)
+    if told:   # the told clients are banned from round unlearn_round on
+      before = state.banned | (forget & (round_ >= unlearn_round))
+      told_now = (round_ == unlearn_round) & jnp.any(forget & ~state.banned)
+    banned = before.at[ids].get(mode='fill', fill_value=True)
     # Eq. 3, 4, 9, a block of slots at a time (fc.receive_uploads). A
     # banned client's uploads are still cached and scored, so each round's
     # clustering sees every update received (the paper clusters the
@@ -457,7 +521,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     flagged_now = jnp.zeros((num_clients,), bool).at[
         jnp.where(flagged, ids, num_clients)].set(True, mode='drop')
     strikes = state.strikes + flagged_now.astype(jnp.int32)
-    new_banned = state.banned | (strikes >= ban_after)
+    new_banned = before | (strikes >= ban_after)
     # A client banned in this round (a recovery's trigger).
     newly = valid & new_banned.at[ids].get(mode='fill', fill_value=False)
     estimate = fc.aggregate_slots(cache, ids, keep, alpha=alpha)
@@ -474,25 +538,26 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     shift = jnp.float32(0.0)
     replayed = jnp.int32(0)
     overflow = jnp.float32(0.0)
-    clients = exact_n = err_n = jnp.int32(0)
+    clients = exact_n = err_n = dropped = jnp.int32(0)
     lbfgs_err = jnp.float32(0.0)
     if m:
-      recovered = jnp.any(newly)
+      recovered = jnp.any(newly) | told_now
 
       def recover():
-        delta, n, hvp, clients, exact_n, err, err_n = replay(
+        delta, n, hvp, clients, exact_n, err, err_n, dropped = replay(
             state, new_banned, round_, params, retrain)
         ghat = g - hvp(delta)
         return (delta + ghat, n, jnp.linalg.norm(delta),
                 hist.at[jnp.mod(round_, history)].set(ghat), clients,
-                exact_n, err, err_n)
+                exact_n, err, err_n, dropped)
 
       (out, replayed, shift, hist, clients, exact_n, lbfgs_err,
-       err_n) = jax.lax.cond(
+       err_n, dropped) = jax.lax.cond(
            recovered, recover,
            lambda: (g, jnp.int32(0), jnp.float32(0.0),
                     hist.at[jnp.mod(round_, history)].set(g), jnp.int32(0),
-                    jnp.int32(0), jnp.float32(0.0), jnp.int32(0)))
+                    jnp.int32(0), jnp.float32(0.0), jnp.int32(0),
+                    jnp.int32(0)))
       order, kept = _compact(keep, recovery_slots)
       row = jnp.mod(round_, m)
       # The first S kept arrivals' rows, read back from the cache; rows
@@ -507,7 +572,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
           ids=put(record.ids, jnp.where(kept, ids_s, 0)),
           kept=put(record.kept, kept),
           gtilde=put(record.gtilde, gtilde),
-          round=record.round.at[row].set(round_))
+          round=record.round.at[row].set(round_),
+          selected=record.selected.at[row].set(selected))
       # After a recovery this round's model is the new base: a later
       # recovery replays, and takes L-BFGS pairs from, only the rounds
       # after it (`t > base` in `replay`; letting it replay through earlier
@@ -535,6 +601,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
             'recovery_client_rounds': jnp.asarray(clients, jnp.float32),
             'recovery_lbfgs_error': jnp.asarray(lbfgs_err, jnp.float32),
             'recovery_lbfgs_scored': jnp.asarray(err_n, jnp.float32),
+            'recovery_history_dropped': jnp.asarray(dropped, jnp.float32),
             # Per arrival, for diagnosing the scores.
             'staleness': jnp.where(mask, tau, 0).astype(jnp.float32),
             'coverage': share,

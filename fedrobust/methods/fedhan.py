@@ -21,7 +21,7 @@ the rollback-and-replay recovery (Sec. 3.5.4) inside the same rule.
 
 from __future__ import annotations
 
-from fedrobust.aggregators.fedhan import CACHE_DTYPES
+from fedrobust.aggregators.fedhan import CACHE_DTYPES, LBFGS_PAIRS
 from fedrobust.methods.fedavg import fedavg_with_rule
 from fedrobust.settings import Setting
 
@@ -53,6 +53,16 @@ FEDHAN_SETTINGS = (
             'model (exact updates, Sec. 3.5.4); 0: none.'),
     Setting('exact_every', 0, 'T_c: after the warm-up, every T_c-th '
             'replayed round is exact; 0: none.'),
+    Setting('lbfgs_pairs', 'exact', "Eq. 10's L-BFGS pairs: 'exact' from "
+            'the exact replayed rounds (none without them: the stored '
+            "updates are replayed uncorrected), 'trajectory' from the "
+            'recorded trajectory (the default before 2026-11-29).',
+            choices=LBFGS_PAIRS),
+    Setting('unlearn_round', 0, 'Told mode of the recovery experiments '
+            '(as FedEraser and Crab are told): in this round the server '
+            'learns who the attackers are, bans them and rolls back '
+            '`rollback` rounds without them (rollback = this round - 1 '
+            'replays from the initial model); 0: off.'),
     Setting('cache_dtype', 'float32', 'Storage type of the per-client cache '
             'and the recovery record.', choices=tuple(CACHE_DTYPES)),
 )
