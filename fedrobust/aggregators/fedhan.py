@@ -410,7 +410,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       # row (the term is one weighted sum; that row is not kept apart).
       gtilde = jnp.where(clean[row], rec.gtilde[row], 0.0)
       u_t, _ = applied(state, t)
-      if not exact:   # pairs stay the trajectory's (closed over)
+      if not exact:   # the pairs (trajectory's or none) are closed over
         ghat = agg + alpha * gtilde - hvp_of(pairs)(delta)
         return (jnp.where(live, delta + ghat - u_t, delta),
                 n + live.astype(jnp.int32), (), behind, clients, exact_n,
