@@ -389,8 +389,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       present = ok & ok_next & (ts > state.base) & (sy > 0)
       pairs = (s_pairs, y_pairs, present)
     hvp_of = lambda p: (lambda v: safe_step(v, lbfgs_hvp(*p, v)))
-    # Rows whose Eq. 8 term took no banned client's cached row, and the
-    # replayed rounds that lose their term.
+    # Replayed round r is round ts_all[r], stored in row rows_all[r], and
+    # live if recorded since the last recovery. Rows whose Eq. 8 term took
+    # no banned client's cached row, and the replayed rounds that lose it.
     clean = ~jnp.any(rec.selected & banned[None, :], axis=1)
     ts_all = round_ - m + jnp.arange(m)
     rows_all = jnp.mod(ts_all, m)
@@ -400,9 +401,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     def step(r, carry):
       delta, n, carried, behind, clients, exact_n, err_sum, err_n = carry
       pairs_now = carried if exact else pairs
-      t = round_ - m + r
-      row = jnp.mod(t, m)
-      live = (rec.round[row] == t) & (t > state.base)
+      t, row, live = ts_all[r], rows_all[r], live_all[r]
       keep = rec.kept[row] & ~banned.at[rec.ids[row]].get(
           mode='fill', fill_value=True)
       agg = fc.weighted(rec.gbar[row], rec.weight[row], ones, keep, alpha)
