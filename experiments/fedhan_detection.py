@@ -48,9 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import workdir as workdir_lib
+from experiments.train import DETECTION_KEYS as COUNTS, detection_rates
 from fedrobust.aggregators import fedhan_cache as fc
-
-COUNTS = ('det_tp', 'det_fp', 'det_fn', 'det_tn')
+from fedrobust.engine.round import detection_counts
 
 
 def load_arrivals(workdir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -146,18 +146,18 @@ def separable_ceiling(rounds: Iterable[dict[str, Any]], detect_start: int
 
 
 def _count(out: dict[str, int], excluded: np.ndarray, mal: np.ndarray):
-  out['det_tp'] += int(np.sum(excluded & mal))
-  out['det_fp'] += int(np.sum(excluded & ~mal))
-  out['det_fn'] += int(np.sum(~excluded & mal))
-  out['det_tn'] += int(np.sum(~excluded & ~mal))
+  """Adds one round's counts, as the engine counts them (weight 0 is
+  excluded)."""
+  c = detection_counts(jnp.where(excluded, 0.0, 1.0), jnp.asarray(mal),
+                       jnp.ones(len(mal), bool))
+  for k in COUNTS:
+    out[k] += int(c[k])
 
 
-def rates(c: dict[str, int]) -> dict[str, float]:
-  """DACC, FPR and FNR of confusion counts (nan where undefined)."""
-  tp, fp, fn, tn = (c[k] for k in COUNTS)
-  div = lambda a, b: a / b if b else float('nan')
-  return {'dacc': div(tp + tn, tp + fp + fn + tn), 'fpr': div(fp, fp + tn),
-          'fnr': div(fn, fn + tp)}
+def _summary(c: dict[str, int]) -> str:
+  r = detection_rates(c, '')
+  return (f"DACC {r['detection_accuracy']:.3f} FPR {r['detection_fpr']:.3f} "
+          f"FNR {r['detection_fnr']:.3f} {c}")
 
 
 def main(argv):
@@ -180,15 +180,13 @@ def main(argv):
   print(f"{f.workdir}: {len(rounds)} rounds, "
         f"{sum(len(r['ids']) for r in rounds)} arrivals, detection "
         f"{'on' if config['fedhan_detect'] else 'off'} in the run")
-  print(f"run's counts: {run} {rates(run)}")
+  print(f"run's counts: {_summary(run)}")
   ceiling = separable_ceiling(rounds, start)
-  print(f'per-round separable ceiling: {ceiling} {rates(ceiling)}')
+  print(f'per-round separable ceiling: {_summary(ceiling)}')
   for eps, ms, ban in grid:
     c = replay(rounds, eps=eps, min_samples=ms, ban_after=ban,
                detect_start=start, num_clients=n)
-    line = (f'eps {eps:g} min_samples {ms} ban_after {ban}: '
-            f"DACC {rates(c)['dacc']:.3f} FPR {rates(c)['fpr']:.3f} "
-            f"FNR {rates(c)['fnr']:.3f} {c}")
+    line = f'eps {eps:g} min_samples {ms} ban_after {ban}: {_summary(c)}'
     if config['fedhan_detect'] and (eps, ms, ban) == own and (
         f.detect_start in (None, config['fedhan_detect_start'])):
       line += f' matches_run={c == run}'

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import fedhan_detection as fd
+from experiments.train import detection_rates
 from fedrobust.aggregators import call_aggregator, get_aggregator
+from fedrobust.engine.round import detection_counts
 
 
 def _rounds(rows):
@@ -51,8 +53,10 @@ class ReplayTest(absltest.TestCase):
       rows, want = [], dict.fromkeys(fd.COUNTS, 0)
       for r, ids, bad, u in plan:
         _, state, info = step(u, state, jnp.asarray(ids))
-        excluded = np.asarray(info['weights']) <= 0
-        fd._count(want, excluded, bad)
+        counts = detection_counts(info['weights'], jnp.asarray(bad),
+                                  jnp.ones(k, bool))
+        for key in fd.COUNTS:
+          want[key] += int(counts[key])
         rows.append((r, ids, bad, np.asarray(info['suspicion']),
                      np.zeros(k, int)))
       got = fd.replay(_rounds(rows), eps=0.3, min_samples=2,
@@ -84,9 +88,10 @@ class ReplayTest(absltest.TestCase):
     self.assertEqual(fd.separable_ceiling(rounds, 2),
                      {'det_tp': 1, 'det_fp': 0, 'det_fn': 2, 'det_tn': 12})
     self.assertEqual(fd.separable_ceiling(rounds, 3)['det_tp'], 0)
-    r = fd.rates({'det_tp': 1, 'det_fp': 0, 'det_fn': 2, 'det_tn': 12})
-    self.assertAlmostEqual(r['dacc'], 13 / 15)
-    self.assertAlmostEqual(r['fnr'], 2 / 3)
+    r = detection_rates({'det_tp': 1, 'det_fp': 0, 'det_fn': 2,
+                         'det_tn': 12}, '')
+    self.assertAlmostEqual(r['detection_accuracy'], 13 / 15)
+    self.assertAlmostEqual(r['detection_fnr'], 2 / 3)
 
 
 class LoadTest(absltest.TestCase):
