@@ -13,6 +13,13 @@ does (excluded = banned before the round or flagged in it). It answers in
 seconds what a 10-minute run would, for every setting in the grid:
 DACC, FPR, FNR and the confusion counts.
 
+Both readings of S_j (`--score_set`, default the run's): 'clients' keeps
+each client's latest score (its score at its last scored arrival: a
+client's cache rows change only when it arrives) and clusters those of the
+unbanned clients (`fedhan_cache.detect_latest`); 'arrivals' clusters the
+round's scored arrivals, banned ones included. A run from before the
+setting existed used 'arrivals'.
+
 What the replay cannot see:
 - a detection-on run's bans changed the models the later scores came
   from; replaying other settings on its scores ignores that feedback (on
@@ -50,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import workdir as workdir_lib
 from experiments.train import DETECTION_KEYS as COUNTS, detection_rates
 from fedrobust.aggregators import fedhan_cache as fc
+from fedrobust.aggregators.fedhan import SCORE_SETS
 from fedrobust.engine.round import detection_counts
 
 
@@ -103,23 +111,37 @@ def _slots(rounds: Sequence[dict[str, Any]]) -> int:
 
 
 def replay(rounds: Sequence[dict[str, Any]], *, eps: float, min_samples: int,
-           ban_after: int, detect_start: int, num_clients: int
-           ) -> dict[str, int]:
+           ban_after: int, detect_start: int, num_clients: int,
+           score_set: str = 'arrivals') -> dict[str, int]:
   """Confusion counts of the rule's detection replayed on `rounds`."""
+  if score_set not in SCORE_SETS:
+    raise ValueError(f'score_set must be one of {SCORE_SETS}, got '
+                     f'{score_set!r}')
   slots = _slots(rounds)
   detect = jax.jit(lambda x, m: fc.detect(x, m, eps=eps,
                                           min_samples=min_samples)[0])
+  detect_latest = jax.jit(lambda x, m, ids, ok: fc.detect_latest(
+      x, m, ids, ok, eps=eps, min_samples=min_samples)[0])
   strikes = np.zeros(num_clients, np.int64)
   banned = np.zeros(num_clients, bool)
+  latest = np.full(num_clients, -1.0, np.float32)
   out = dict.fromkeys(COUNTS, 0)
   for r in rounds:
     k = len(r['ids'])
+    ok = scored(r)
+    latest[r['ids'][ok]] = r['score'][ok]
     flagged = np.zeros(k, bool)
     if r['round'] >= detect_start and k:
       x = np.zeros(slots, np.float32)
       m = np.zeros(slots, bool)
-      x[:k], m[:k] = r['score'], scored(r)
-      flagged = np.asarray(detect(x, m))[:k]
+      if score_set == 'clients':
+        ids = np.full(slots, num_clients, np.int32)
+        ids[:k], m[:k] = r['ids'], ok
+        flagged = np.asarray(detect_latest(latest, (latest >= 0) & ~banned,
+                                           ids, m))[:k]
+      else:
+        x[:k], m[:k] = r['score'], ok
+        flagged = np.asarray(detect(x, m))[:k]
     _count(out, banned[r['ids']] | flagged, r['malicious'])
     hit = np.zeros(num_clients, bool)
     hit[r['ids'][flagged]] = True
@@ -169,6 +191,8 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   own = (float(config['fedhan_eps']), int(config['fedhan_min_samples']),
          int(config['fedhan_ban_after']))
+  run_set = config.get('fedhan_score_set', 'arrivals')
+  score_set = f.score_set or run_set
   grid = list(itertools.product(
       [float(v) for v in f.eps] or [own[0]],
       [int(v) for v in f.min_samples] or [own[1]],
@@ -185,9 +209,11 @@ def main(argv):
   print(f'per-round separable ceiling: {_summary(ceiling)}')
   for eps, ms, ban in grid:
     c = replay(rounds, eps=eps, min_samples=ms, ban_after=ban,
-               detect_start=start, num_clients=n)
-    line = f'eps {eps:g} min_samples {ms} ban_after {ban}: {_summary(c)}'
+               detect_start=start, num_clients=n, score_set=score_set)
+    line = (f'{score_set} eps {eps:g} min_samples {ms} ban_after {ban}: '
+            f'{_summary(c)}')
     if config['fedhan_detect'] and (eps, ms, ban) == own and (
+        score_set == run_set) and (
         f.detect_start in (None, config['fedhan_detect_start'])):
       line += f' matches_run={c == run}'
     print(line)
@@ -204,5 +230,8 @@ if __name__ == '__main__':
   flags.DEFINE_list('ban_after', [], "Flags before a ban; default: the run's.")
   flags.DEFINE_integer('detect_start', None, "First detecting round; "
                        "default: the run's.")
+  flags.DEFINE_enum('score_set', None, SCORE_SETS, "Which scores S_j "
+                    "clusters (the rule's score_set); default: the run's "
+                    "('arrivals' for a run from before the setting).")
   flags.mark_flag_as_required('workdir')
   app.run(main)

@@ -45,6 +45,7 @@ from experiments.devices import configure_cpu_devices
 from experiments.workdir import ConfigMismatchError, WorkdirError
 from experiments.threat import build_threat, typical_client_steps
 from fedrobust import adapt, aggregators
+from fedrobust.aggregators import fedhan as fedhan_lib
 from fedrobust.checkpoint import (CheckpointError, CheckpointSpaceError,
                                   Checkpointer, barrier, is_primary)
 from fedrobust.cohort import Cohort, split_roles
@@ -1131,7 +1132,8 @@ def _run_locked(config: dict[str, Any], program: Program,
                               compress=config['checkpoint_compress'])
   try:
     restored = checkpointer.restore_latest(
-        template, legacy=legacy_server_state(template))
+        template, legacy=legacy_server_state(template) +
+        fedhan_lib.legacy_states(template))
   except CheckpointError as err:
     if not config['overwrite']:
       raise

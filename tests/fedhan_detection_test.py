@@ -1,6 +1,7 @@
 """experiments/fedhan_detection.py: the detector replayed on logged scores
 gives the rule's own exclusions, bans included."""
 
+import itertools
 import json
 import os
 import tempfile
@@ -26,12 +27,13 @@ def _rounds(rows):
 class ReplayTest(absltest.TestCase):
 
   def test_replay_reproduces_the_rules_exclusions(self):
-    """Rounds of the 'fedhan' rule: 6 of 10 clients arrive, clients 8 and 9
+    """Rounds of the 'fedhan' rule: 4 of 10 clients arrive, clients 8 and 9
     oppose the benign direction at two strengths (so some of their rounds
     overlap the benign ones), and a benign outlier appears once. The replay
     on the logged suspicion gives, round by round, the rule's exclusions
-    (weight 0), for a ban at the first and at the second flag."""
-    n, d, k = 10, 8, 6
+    (weight 0), for a ban at the first and at the second flag, with S_j
+    either every client's latest score or the round's arrivals'."""
+    n, d, k = 10, 8, 4
     rng = np.random.default_rng(3)
     direction = rng.normal(size=d)
     plan = []
@@ -43,16 +45,20 @@ class ReplayTest(absltest.TestCase):
       if r == 4:
         u[np.flatnonzero(~bad)[0]] = 4.0 * direction
       plan.append((r, ids, bad, jnp.asarray(u, jnp.float32)))
-    for ban_after in (1, 2):
+    totals = {}
+    for score_set, ban_after in itertools.product(fd.SCORE_SETS, (1, 2)):
       agg = get_aggregator('fedhan', num_clients=n, eps=0.3, min_samples=2,
-                           detect_start=2, ban_after=ban_after)
+                           detect_start=2, ban_after=ban_after,
+                           score_set=score_set)
       step = jax.jit(lambda u, st, ids, agg=agg: call_aggregator(
           agg, {'w': u}, jnp.ones(k, bool), st, jax.random.key(0), ids=ids,
           staleness=jnp.zeros(k, jnp.int32), coverage=None))
       state = agg.init({'w': jnp.zeros((d,))})
       rows, want = [], dict.fromkeys(fd.COUNTS, 0)
+      excluded = []
       for r, ids, bad, u in plan:
         _, state, info = step(u, state, jnp.asarray(ids))
+        excluded.append(np.asarray(info['weights']) == 0)
         counts = detection_counts(info['weights'], jnp.asarray(bad),
                                   jnp.ones(k, bool))
         for key in fd.COUNTS:
@@ -60,13 +66,19 @@ class ReplayTest(absltest.TestCase):
         rows.append((r, ids, bad, np.asarray(info['suspicion']),
                      np.zeros(k, int)))
       got = fd.replay(_rounds(rows), eps=0.3, min_samples=2,
-                      ban_after=ban_after, detect_start=2, num_clients=n)
-      self.assertEqual(got, want, ban_after)
+                      ban_after=ban_after, detect_start=2, num_clients=n,
+                      score_set=score_set)
+      self.assertEqual(got, want, (score_set, ban_after))
+      totals[score_set, ban_after] = np.stack(excluded)
       # The case is not trivial: both kinds of error and of success occur
       # for one of the settings at least.
       self.assertGreater(want['det_tp'], 0)
       self.assertGreater(want['det_tn'], 0)
     self.assertGreater(want['det_fp'] + want['det_fn'], 0, want)
+    # The two readings of S_j exclude different arrivals here.
+    for ban_after in (1, 2):
+      self.assertFalse(np.array_equal(totals['clients', ban_after],
+                                      totals['arrivals', ban_after]))
 
   def test_bans_carry_and_the_ceiling_flags_separable_rounds(self):
     rows = [
@@ -77,7 +89,8 @@ class ReplayTest(absltest.TestCase):
         (4, [5, 0, 1, 2], [1, 0, 0, 0], [1.5, 1.0, 1.1, 0.9], [3, 0, 0, 0]),
     ]
     rounds = _rounds(rows)
-    kw = dict(eps=0.25, min_samples=2, detect_start=2, num_clients=6)
+    kw = dict(eps=0.25, min_samples=2, detect_start=2, num_clients=6,
+              score_set='arrivals')
     # Round 2 flags client 4; banned at once, its round-3 arrival counts
     # as excluded. Round 4's attacker is unscored (4 - 1 - 3 < 1).
     self.assertEqual(fd.replay(rounds, ban_after=1, **kw),

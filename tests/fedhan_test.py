@@ -300,6 +300,31 @@ class ClusteringTest(absltest.TestCase):
     self.assertFalse(np.any(np.asarray(flagged)))
 
 
+  def test_detect_latest_clusters_every_clients_score(self):
+    """S_j of every client's latest score (Sec. 3.5.3): benign scores
+    1.0-1.3 chain into one cluster, the attackers 7 (arriving) and 8 (not)
+    form the high one, the banned client 9 is out. Only arriving members
+    of the high cluster are flagged. The round's two benign arrivals
+    alone (1.0 and 1.3) are two noise points, and 2-means cuts one."""
+    latest = jnp.array([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 2.0, 2.05,
+                        5.0, -1.0])
+    member = jnp.array([True] * 9 + [False, False])
+    ids = jnp.array([0, 6, 7, 3, 11], jnp.int32)      # 11: no client
+    scored = jnp.array([True, True, True, False, True])
+    flagged, detected = fc.detect_latest(latest, member, ids, scored,
+                                         eps=0.25, min_samples=2)
+    np.testing.assert_array_equal(flagged, [0, 0, 1, 0, 0])
+    self.assertTrue(bool(detected))
+    # Without an arriving attacker nothing is flagged, although S_j splits.
+    flagged, detected = fc.detect_latest(latest, member, ids[:2],
+                                         scored[:2], eps=0.25, min_samples=2)
+    np.testing.assert_array_equal(flagged, [0, 0])
+    self.assertFalse(bool(detected))
+    alone, _ = fc.detect(latest[jnp.array([0, 6])], jnp.ones(2, bool),
+                         eps=0.25, min_samples=2)
+    np.testing.assert_array_equal(alone, [0, 1])
+
+
 class RuleTest(absltest.TestCase):
   """The 'fedhan' aggregator over rounds of arrivals."""
 
@@ -375,12 +400,12 @@ class RuleTest(absltest.TestCase):
     return state, infos
 
   def test_banned_uploads_are_scored_but_never_aggregated(self):
-    """Once banned, the attackers' uploads still enter the clustering, so
-    a round whose only outlier is benign is not cut there, and no second
-    recovery starts."""
+    """With the arrivals' scores as S_j, once banned the attackers'
+    uploads still enter the clustering, so a round whose only outlier is
+    benign is not cut there, and no second recovery starts."""
     state, infos = self._run_all_arriving(
         self._opposed_rounds(1, outlier_round=3, outlier_scale=2.5),
-        rollback=2)
+        rollback=2, score_set='arrivals')
     np.testing.assert_array_equal(np.flatnonzero(state.banned), [6, 7])
     self.assertEqual(float(infos[1]['recovered']), 1.0)
     last = infos[3]
@@ -395,7 +420,8 @@ class RuleTest(absltest.TestCase):
     round only; the attackers, flagged every round, are banned at their
     second flag, and that round starts the recovery."""
     rounds = self._opposed_rounds(2, outlier_round=1, outlier_scale=6.0)
-    state, infos = self._run_all_arriving(rounds, rollback=2, ban_after=2)
+    state, infos = self._run_all_arriving(rounds, rollback=2, ban_after=2,
+                                          score_set='arrivals')
     self.assertTrue(infos[1]['flagged'][0], infos[1]['suspicion'])
     self.assertEqual(infos[1]['weights'][0], 0.0)
     np.testing.assert_array_equal(infos[1]['weights'][6:], [0.0, 0.0])
@@ -406,10 +432,54 @@ class RuleTest(absltest.TestCase):
     np.testing.assert_array_equal(np.asarray(state.strikes)[[0, 6, 7]],
                                   [1, 3, 3])   # still scored once banned
     state1, infos1 = self._run_all_arriving(rounds, rollback=2,
-                                            ban_after=1)
+                                            ban_after=1,
+                                            score_set='arrivals')
     self.assertEqual(float(infos1[1]['recovered']), 1.0)
     self.assertIn(0, np.flatnonzero(state1.banned))
     self.assertEqual(infos1[3]['weights'][0], 0.0)
+
+  def test_clients_score_set_keeps_each_clients_latest_score(self):
+    """The state's score is each client's suspicion at its last scored
+    arrival (its cache rows change only then), -1 before; banned clients
+    leave S_j, so once the attackers are banned a benign outlier is cut
+    (where the arrivals' S_j keeps the banned in, see above), and the
+    banned, though still scored, take no more strikes."""
+    n, d = 8, 6
+    agg = get_aggregator('fedhan', num_clients=n, detect=False,
+                         score_set='clients')
+    step = jax.jit(lambda u, m, st, ids: call_aggregator(
+        agg, {'w': u}, m, st, jax.random.key(0), ids=ids,
+        staleness=jnp.zeros(ids.shape[0], jnp.int32), coverage=None))
+    state = agg.init({'w': jnp.zeros((d,))})
+    np.testing.assert_array_equal(state.score, -np.ones(n))
+    rng = np.random.default_rng(4)
+    arrived_scored = np.zeros(n, bool)
+    for round_ in range(1, 5):
+      ids = np.sort(rng.choice(n, 4, replace=False)).astype(np.int32)
+      mask = np.array([True, True, True, round_ != 3])
+      u = rng.normal(size=(4, d)).astype(np.float32)
+      u[~mask] = np.nan                          # a masked garbage slot
+      _, state, _ = step(jnp.asarray(u), jnp.asarray(mask), state,
+                         jnp.asarray(ids))
+      if round_ >= 2:                            # a global update exists
+        arrived_scored[ids[mask]] = True
+    every = jnp.arange(n, dtype=jnp.int32)
+    expect = np.where(arrived_scored, np.asarray(fc.suspicion(
+        state.cache, every, jnp.ones(n, bool))), -1.0)
+    np.testing.assert_allclose(state.score, expect, rtol=1e-6)
+    self.assertTrue(arrived_scored.any() and not arrived_scored.all())
+
+    state, infos = self._run_all_arriving(
+        self._opposed_rounds(1, outlier_round=3, outlier_scale=2.5),
+        rollback=2, score_set='clients')
+    np.testing.assert_array_equal(infos[1]['flagged'], [0] * 6 + [1, 1])
+    np.testing.assert_array_equal(np.asarray(state.strikes)[6:], [1, 1])
+    for info in infos[2:]:
+      np.testing.assert_array_equal(info['weights'][6:], [0.0, 0.0])
+      self.assertFalse(np.any(info['flagged'][6:]))
+    self.assertTrue(infos[3]['flagged'][0], infos[3]['suspicion'])
+    self.assertTrue(np.all(np.asarray(state.score)[6:] >
+                           np.asarray(state.score)[1:6].max()))
 
   def test_history_info_measures_the_eq8_term(self):
     """'history_share' and 'history_cos' against the difference the term

@@ -468,6 +468,43 @@ class LegacyLayoutTest(absltest.TestCase):
         attack={'k': jnp.int32(0)})), ())
 
 
+  def test_a_fedhan_state_without_the_score_field_restores(self):
+    """A FedHAN rule state checkpointed before FedHANState.score existed
+    (2026-12-01) restores, inside a server state, into the default
+    layout (score None); a 'clients' state, which needs the scores, has
+    no legacy layout to fall back to."""
+    from fedrobust.aggregators import fedhan as fedhan_lib
+    from fedrobust.aggregators import get_aggregator
+    from fedrobust.checkpoint import Checkpointer
+    from fedrobust.types import ServerState
+    params = {'w': jnp.zeros(3)}
+    agg = get_aggregator('fedhan', num_clients=4, rollback=2)
+    new = agg.init(params)
+    self.assertIsNone(new.score)
+    old = fedhan_lib.FedHANStateV1(*new[:7])._replace(
+        strikes=jnp.array([0, 2, 0, 1], jnp.int32))
+    wrap = lambda s: ServerState(jnp.int32(5), (params,), {'rule': s},
+                                 jnp.zeros(2, jnp.uint32))
+    d = tempfile.mkdtemp()
+    ck = Checkpointer(d, keep=2)
+    ck.save(5, wrap(old))
+    ck.close()
+    like = jax.eval_shape(lambda: wrap(new))
+    ck = Checkpointer(d, keep=2)
+    step, state = ck.restore_latest(like,
+                                    legacy=fedhan_lib.legacy_states(like))
+    ck.close()
+    self.assertEqual(step, 5)
+    rule = state.method_state['rule']
+    self.assertIsInstance(rule, fedhan_lib.FedHANState)
+    self.assertIsNone(rule.score)
+    np.testing.assert_array_equal(rule.strikes, [0, 2, 0, 1])
+    self.assertEqual(jax.tree.structure(rule), jax.tree.structure(new))
+    scored = get_aggregator('fedhan', num_clients=4,
+                            score_set='clients').init(params)
+    self.assertEqual(fedhan_lib.legacy_states(wrap(scored)), ())
+
+
 class RestoreStepTest(absltest.TestCase):
 
   def test_a_named_step_restores_and_a_bad_one_stays_in_place(self):

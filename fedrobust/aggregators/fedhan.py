@@ -12,13 +12,15 @@ per round:
      and beta-decay; the imputed global update from the global update of
      the round the client's model came from);
   2. Sec. 3.5.3: suspicion s_i = ||gchk_i - gbar_i|| of each arrival
-     whose model was sent after the first global update;
-     DBSCAN on the scores (divided by their median), and if it finds
-     several clusters or noise, 2-means; the higher-mean cluster is
-     flagged and excluded from this round; a client flagged in `ban_after`
-     rounds is banned from then on (its cache row never enters the history
-     selection again; its later uploads are still cached and scored, so
-     they take part in the clustering, but never in an aggregate);
+     whose model was sent after the first global update; DBSCAN on S_j
+     (`score_set`: by default the round's arrivals' scores; 'clients':
+     every unbanned client's latest score, kept in the state),
+     divided by their median, and if it finds several clusters or noise,
+     2-means; the arrivals in the higher-mean cluster are flagged and
+     excluded from this round; a client flagged in `ban_after` rounds is
+     banned from then on (its cache row never enters the history
+     selection again; its later uploads are still cached and scored, but
+     never aggregated);
   3. Eq. 5-6: the weighted imputed aggregate of the kept arrivals;
   4. Eq. 7-8: adds alpha times the aggregate of the cached updates of
      non-arriving clients (staleness <= tau_max) whose cosine with it is
@@ -113,6 +115,10 @@ from fedrobust.tree import ravel_clients, unravel_like
 
 CACHE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 LBFGS_PAIRS = ('exact', 'trajectory')
+# Which suspicion scores Sec. 3.5.3's S_j clusters: every client's latest
+# score s_{j,i} (Eq. 9 keeps gchk_i, and Eq. 3 gbar_i, for every client, so
+# s_{j,i} is defined for all i in every round), or the round's arrivals'.
+SCORE_SETS = ('clients', 'arrivals')
 
 
 class RecoveryRecord(NamedTuple):
@@ -137,6 +143,41 @@ class FedHANState(NamedTuple):
                                  # zero-size arrays cannot be checkpointed)
   base: jax.Array            # int32[], last round whose model a recovery
                              # cannot roll back past (a recovery, or 0)
+  score: jax.Array | None = None  # float32[N], each client's latest
+                             # suspicion s_{j,i} (Sec. 3.5.3; -1: never
+                             # scored); kept only with score_set 'clients',
+                             # so the default's checkpoints keep their
+                             # layout
+
+
+class FedHANStateV1(NamedTuple):
+  """FedHANState as checkpointed before the `score` field (2026-12-01)."""
+  cache: fc.FedHANCache
+  history: jax.Array
+  banned: jax.Array
+  strikes: jax.Array
+  round: jax.Array
+  record: RecoveryRecord | None
+  base: jax.Array
+
+
+def legacy_states(like: Any):
+  """(template, convert) pairs for Checkpointer.restore_latest(legacy=...):
+  a checkpoint whose FedHAN states were written before the `score` field
+  (which the default score_set 'arrivals' leaves None) restores into
+  `like`. () when `like` holds no such state."""
+  old = lambda x: isinstance(x, FedHANState) and x.score is None
+  is_state = lambda x: isinstance(x, FedHANState)
+  if not any(old(x) for x in jax.tree.leaves(like, is_leaf=is_state)):
+    return ()
+  template = jax.tree.map(
+      lambda x: FedHANStateV1(*x[:7]) if old(x) else x, like,
+      is_leaf=is_state)
+  is_v1 = lambda x: isinstance(x, FedHANStateV1)
+  convert = lambda tree: jax.tree.map(
+      lambda x: FedHANState(*x, score=None) if is_v1(x) else x, tree,
+      is_leaf=is_v1)
+  return ((template, convert),)
 
 
 def recovery_bytes(rollback: int, slots: int, dim: int, num_clients: int,
@@ -224,7 +265,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
            cache_dtype: str = 'float32', ban_after: int = 1,
            exact_warmup: int = 0, exact_every: int = 0,
            lbfgs_pairs: str = 'exact', forget: Any = None,
-           unlearn_round: int = 0) -> Aggregator:
+           unlearn_round: int = 0, score_set: str = 'arrivals') -> Aggregator:
   """FedHAN's imputation, historical selection, detection and recovery.
 
   Args:
@@ -237,6 +278,17 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     tau_max: staleness limit of historical candidates.
     eps, min_samples: DBSCAN's radius (relative to the median score) and
       core size.
+    score_set: the scores S_j that DBSCAN and 2-means cluster (Sec. 3.5.3:
+      "the server maintains a latest imputed global update for each client.
+      The suspicious score for each client is evaluated as s_{j,i} ... and
+      these scores are collected into the set S_j"). 'clients': the latest
+      score of every client scored so far and not banned, kept in the state
+      (a client's gbar_i and gchk_i change only when it arrives, so its
+      score is the one of its last scored arrival); the arrivals in the
+      high cluster are flagged, a non-arriving member of it is not.
+      'arrivals' (the default): the round's scored arrivals only, banned
+      ones included. On the quick preset under trim neither reading
+      reaches DACC 0.9 online (BUILD_NOTES §3d, "Session 43").
     detect: run the detection (off: imputation and history only).
     detect_start: first round whose arrivals may be flagged (the paper's
       detector setting starts at round 50); earlier rounds are scored only.
@@ -326,7 +378,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                           ('exact_warmup', exact_warmup, exact_warmup >= 0),
                           ('exact_every', exact_every, exact_every >= 0),
                           ('lbfgs_pairs', lbfgs_pairs,
-                           lbfgs_pairs in LBFGS_PAIRS)):
+                           lbfgs_pairs in LBFGS_PAIRS),
+                          ('score_set', score_set, score_set in SCORE_SETS)):
     if not ok:
       raise setting('fedhan', name, f'out of range: {value!r}')
   if rollback and history < rollback + 2:
@@ -357,7 +410,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                        jnp.zeros((), jnp.int32),
                        _empty_record(m, recovery_slots, d, num_clients,
                                      dtype) if m
-                       else None, jnp.zeros((), jnp.int32))
+                       else None, jnp.zeros((), jnp.int32),
+                       jnp.full((num_clients,), -1.0, jnp.float32)
+                       if score_set == 'clients' else None)
 
   def applied(state, t):
     """Update applied in round t (0 if t is not in the history)."""
@@ -493,9 +548,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       told_now = (round_ == unlearn_round) & jnp.any(forget & ~state.banned)
     banned = before.at[ids].get(mode='fill', fill_value=True)
     # Eq. 3, 4, 9, a block of slots at a time (fc.receive_uploads). A
-    # banned client's uploads are still cached and scored, so each round's
-    # clustering sees every update received (the paper clusters the
-    # round's arrivals; bans are ours), but never aggregated. A model sent
+    # banned client's uploads are still cached and scored, but never
+    # aggregated; with score_set 'arrivals' they stay in the round's
+    # clustering (bans are ours), with 'clients' they leave S_j. A model sent
     # before any global update existed (round 1) has no g(w_{j - tau}): its
     # imputed global update takes its own upload there (suspicion 0 on
     # those coordinates, now and while they stay imputed), and it is not
@@ -508,9 +563,20 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     scored = finite & have_global
     scores, global_norms = fc.slot_norms(cache, ids, finite)
     scores = jnp.where(scored, scores, 0.0)
+    latest = None
+    if score_set == 'clients':
+      # Each client's latest score. A client's uploads of one round all
+      # read its final cache row, so repeated ids write the same value.
+      latest = state.score.at[jnp.where(scored, ids, num_clients)].set(
+          scores, mode='drop')
     if detect:
-      flagged, detected = fc.detect(scores, scored, eps=eps,
-                                    min_samples=min_samples)
+      if score_set == 'clients':
+        flagged, detected = fc.detect_latest(
+            latest, (latest >= 0.0) & ~before, ids, scored, eps=eps,
+            min_samples=min_samples)
+      else:
+        flagged, detected = fc.detect(scores, scored, eps=eps,
+                                      min_samples=min_samples)
       on = round_ >= detect_start
       flagged, detected = flagged & on, detected & on
     else:
@@ -585,7 +651,7 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       hist = hist.at[jnp.mod(round_, history)].set(g)
     new_state = FedHANState(cache=cache, history=hist, banned=new_banned,
                             strikes=strikes, round=round_, record=record,
-                            base=base)
+                            base=base, score=latest)
     n_keep = jnp.maximum(jnp.sum(keep.astype(jnp.float32)), 1.0)
     info = {'weights': jnp.where(keep, 1.0 / n_keep, 0.0).astype(jnp.float32),
             'suspicion': scores.astype(jnp.float32),

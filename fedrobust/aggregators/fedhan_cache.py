@@ -474,3 +474,26 @@ def detect(scores: jax.Array, mask: jax.Array, *, eps: float,
   high, _ = kmeans2_1d(x, mask, iters)
   detected = split & (jnp.sum(mask) >= 2) & jnp.any(high)
   return high & detected, detected
+
+
+def detect_latest(latest: jax.Array, member: jax.Array, ids: jax.Array,
+                  scored: jax.Array, *, eps: float, min_samples: int
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Sec. 3.5.3 over every client's latest score: `detect` on S_j = the
+  members' scores, and the scored arrivals in the higher-mean cluster are
+  flagged (a non-arriving member of it is not: it is in no round to be
+  removed from).
+
+  Args:
+    latest: float32[N], each client's latest suspicion score.
+    member: bool[N], the clients in S_j.
+    ids: int32[K], the round's arrivals (an id >= N is no client).
+    scored: bool[K], arrivals scored this round (their latest score is
+      this round's).
+
+  Returns:
+    (flagged bool[K], detected bool[]: some arrival was flagged).
+  """
+  high, _ = detect(latest, member, eps=eps, min_samples=min_samples)
+  flagged = scored & high.at[ids].get(mode='fill', fill_value=False)
+  return flagged, jnp.any(flagged)

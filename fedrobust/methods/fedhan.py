@@ -21,7 +21,8 @@ the rollback-and-replay recovery (Sec. 3.5.4) inside the same rule.
 
 from __future__ import annotations
 
-from fedrobust.aggregators.fedhan import CACHE_DTYPES, LBFGS_PAIRS
+from fedrobust.aggregators.fedhan import (CACHE_DTYPES, LBFGS_PAIRS,
+                                          SCORE_SETS)
 from fedrobust.methods.fedavg import fedavg_with_rule
 from fedrobust.settings import Setting
 
@@ -37,6 +38,11 @@ FEDHAN_SETTINGS = (
             'by their median (Sec. 3.5.3).'),
     Setting('min_samples', 2, "DBSCAN's core size (a point counts "
             'itself).'),
+    Setting('score_set', 'arrivals', "The suspicion scores S_j that DBSCAN "
+            "and 2-means cluster (Sec. 3.5.3): 'arrivals', the round's "
+            "arrivals; 'clients', every unbanned client's latest score "
+            '(flagging the arrivals in the high cluster).',
+            choices=SCORE_SETS),
     Setting('detect', True, 'Detect and ban attackers (Sec. 3.5.3).'),
     Setting('ban_after', 1, 'Rounds a client must be flagged in before it '
             'is banned and a recovery starts (a flagged client always '
