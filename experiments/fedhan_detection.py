@@ -132,15 +132,16 @@ def replay(rounds: Sequence[dict[str, Any]], *, eps: float, min_samples: int,
     latest[r['ids'][ok]] = r['score'][ok]
     flagged = np.zeros(k, bool)
     if r['round'] >= detect_start and k:
-      x = np.zeros(slots, np.float32)
       m = np.zeros(slots, bool)
+      m[:k] = ok
       if score_set == 'clients':
         ids = np.full(slots, num_clients, np.int32)
-        ids[:k], m[:k] = r['ids'], ok
+        ids[:k] = r['ids']
         flagged = np.asarray(detect_latest(latest, (latest >= 0) & ~banned,
                                            ids, m))[:k]
       else:
-        x[:k], m[:k] = r['score'], ok
+        x = np.zeros(slots, np.float32)
+        x[:k] = r['score']
         flagged = np.asarray(detect(x, m))[:k]
     _count(out, banned[r['ids']] | flagged, r['malicious'])
     hit = np.zeros(num_clients, bool)

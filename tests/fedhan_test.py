@@ -299,7 +299,6 @@ class ClusteringTest(absltest.TestCase):
     self.assertFalse(bool(detected))
     self.assertFalse(np.any(np.asarray(flagged)))
 
-
   def test_detect_latest_clusters_every_clients_score(self):
     """S_j of every client's latest score (Sec. 3.5.3): benign scores
     1.0-1.3 chain into one cluster, the attackers 7 (arriving) and 8 (not)
