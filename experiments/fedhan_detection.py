@@ -1,14 +1,16 @@
 r"""FedHAN's detector replayed on a run's logged suspicion scores.
 
   python experiments/fedhan_detection.py --workdir=runs/fedhan_fmnist_quick \
-    --eps=0.2,0.25,0.35 --min_samples=2,4 --ban_after=1,2
+    --eps=0.2,0.25,0.35 --min_samples=2,4 --ban_after=1,2 \
+    --min_flag_score=0,1.35
 
 A FedHAN run logs every arrival's suspicion score s_i = ||gchk_i - gbar_i||
 (Sec. 3.5.3), staleness and attacker flag in `rounds.jsonl`. This tool
 reruns the rule's own detector (`fedhan_cache.detect`: DBSCAN on the scores
 over their median, then 2-means) round by round on those scores, keeps the
 strikes and bans on the host as the rule does (one strike per flagged
-round; banned at the `ban_after`-th), and counts each arrival as the engine
+round; banned at the `ban_after`-th; a flag needs a score of at least
+`min_flag_score` x the median), and counts each arrival as the engine
 does (excluded = banned before the round or flagged in it). It answers in
 seconds what a 10-minute run would, for every setting in the grid:
 DACC, FPR, FNR and the confusion counts.
@@ -112,16 +114,17 @@ def _slots(rounds: Sequence[dict[str, Any]]) -> int:
 
 def replay(rounds: Sequence[dict[str, Any]], *, eps: float, min_samples: int,
            ban_after: int, detect_start: int, num_clients: int,
-           score_set: str = 'arrivals') -> dict[str, int]:
+           score_set: str = 'arrivals', min_flag_score: float = 0.0
+           ) -> dict[str, int]:
   """Confusion counts of the rule's detection replayed on `rounds`."""
   if score_set not in SCORE_SETS:
     raise ValueError(f'score_set must be one of {SCORE_SETS}, got '
                      f'{score_set!r}')
   slots = _slots(rounds)
-  detect = jax.jit(lambda x, m: fc.detect(x, m, eps=eps,
-                                          min_samples=min_samples)[0])
+  kw = dict(eps=eps, min_samples=min_samples, min_flag_score=min_flag_score)
+  detect = jax.jit(lambda x, m: fc.detect(x, m, **kw)[0])
   detect_latest = jax.jit(lambda x, m, ids, ok: fc.detect_latest(
-      x, m, ids, ok, eps=eps, min_samples=min_samples)[0])
+      x, m, ids, ok, **kw)[0])
   strikes = np.zeros(num_clients, np.int64)
   banned = np.zeros(num_clients, bool)
   latest = np.full(num_clients, -1.0, np.float32)
@@ -190,14 +193,17 @@ def main(argv):
     config, rounds = load_arrivals(f.workdir)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  # A run from before --fedhan_min_flag_score had none (0).
   own = (float(config['fedhan_eps']), int(config['fedhan_min_samples']),
-         int(config['fedhan_ban_after']))
+         int(config['fedhan_ban_after']),
+         float(config.get('fedhan_min_flag_score', 0.0)))
   run_set = config.get('fedhan_score_set', 'arrivals')
   score_set = f.score_set or run_set
   grid = list(itertools.product(
       [float(v) for v in f.eps] or [own[0]],
       [int(v) for v in f.min_samples] or [own[1]],
-      [int(v) for v in f.ban_after] or [own[2]]))
+      [int(v) for v in f.ban_after] or [own[2]],
+      [float(v) for v in f.min_flag_score] or [own[3]]))
   start = (config['fedhan_detect_start'] if f.detect_start is None
            else f.detect_start)
   n = int(config['num_clients'])
@@ -208,12 +214,13 @@ def main(argv):
   print(f"run's counts: {_summary(run)}")
   ceiling = separable_ceiling(rounds, start)
   print(f'per-round separable ceiling: {_summary(ceiling)}')
-  for eps, ms, ban in grid:
+  for eps, ms, ban, floor in grid:
     c = replay(rounds, eps=eps, min_samples=ms, ban_after=ban,
-               detect_start=start, num_clients=n, score_set=score_set)
-    line = (f'{score_set} eps {eps:g} min_samples {ms} ban_after {ban}: '
-            f'{_summary(c)}')
-    if config['fedhan_detect'] and (eps, ms, ban) == own and (
+               detect_start=start, num_clients=n, score_set=score_set,
+               min_flag_score=floor)
+    line = (f'{score_set} eps {eps:g} min_samples {ms} ban_after {ban} '
+            f'min_flag_score {floor:g}: {_summary(c)}')
+    if config['fedhan_detect'] and (eps, ms, ban, floor) == own and (
         score_set == run_set) and (
         f.detect_start in (None, config['fedhan_detect_start'])):
       line += f' matches_run={c == run}'
@@ -229,6 +236,9 @@ if __name__ == '__main__':
   flags.DEFINE_list('min_samples', [], "DBSCAN core sizes; default: the "
                     "run's.")
   flags.DEFINE_list('ban_after', [], "Flags before a ban; default: the run's.")
+  flags.DEFINE_list('min_flag_score', [], "Floors of a flag over the median "
+                    "score; default: the run's (0 for a run from before "
+                    'the setting).')
   flags.DEFINE_integer('detect_start', None, "First detecting round; "
                        "default: the run's.")
   flags.DEFINE_enum('score_set', None, SCORE_SETS, "Which scores S_j "

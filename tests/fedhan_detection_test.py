@@ -24,6 +24,10 @@ def _rounds(rows):
            'staleness': np.asarray(t)} for r, i, m, s, t in rows]
 
 
+# A floor on a flag's score over the median (min_flag_score).
+FLOOR = 2.0
+
+
 class ReplayTest(absltest.TestCase):
 
   def test_replay_reproduces_the_rules_exclusions(self):
@@ -46,10 +50,13 @@ class ReplayTest(absltest.TestCase):
         u[np.flatnonzero(~bad)[0]] = 4.0 * direction
       plan.append((r, ids, bad, jnp.asarray(u, jnp.float32)))
     totals = {}
-    for score_set, ban_after in itertools.product(fd.SCORE_SETS, (1, 2)):
+    settings = [(s, b, 0.0) for s, b in itertools.product(fd.SCORE_SETS,
+                                                          (1, 2))]
+    settings += [(s, 1, FLOOR) for s in fd.SCORE_SETS]
+    for score_set, ban_after, floor in settings:
       agg = get_aggregator('fedhan', num_clients=n, eps=0.3, min_samples=2,
                            detect_start=2, ban_after=ban_after,
-                           score_set=score_set)
+                           score_set=score_set, min_flag_score=floor)
       step = jax.jit(lambda u, st, ids, agg=agg: call_aggregator(
           agg, {'w': u}, jnp.ones(k, bool), st, jax.random.key(0), ids=ids,
           staleness=jnp.zeros(k, jnp.int32), coverage=None))
@@ -67,9 +74,9 @@ class ReplayTest(absltest.TestCase):
                      np.zeros(k, int)))
       got = fd.replay(_rounds(rows), eps=0.3, min_samples=2,
                       ban_after=ban_after, detect_start=2, num_clients=n,
-                      score_set=score_set)
-      self.assertEqual(got, want, (score_set, ban_after))
-      totals[score_set, ban_after] = np.stack(excluded)
+                      score_set=score_set, min_flag_score=floor)
+      self.assertEqual(got, want, (score_set, ban_after, floor))
+      totals[score_set, ban_after, floor] = np.stack(excluded)
       # The case is not trivial: both kinds of error and of success occur
       # for one of the settings at least.
       self.assertGreater(want['det_tp'], 0)
@@ -77,8 +84,12 @@ class ReplayTest(absltest.TestCase):
     self.assertGreater(want['det_fp'] + want['det_fn'], 0, want)
     # The two readings of S_j exclude different arrivals here.
     for ban_after in (1, 2):
-      self.assertFalse(np.array_equal(totals['clients', ban_after],
-                                      totals['arrivals', ban_after]))
+      self.assertFalse(np.array_equal(totals['clients', ban_after, 0.0],
+                                      totals['arrivals', ban_after, 0.0]))
+    # The floor on a flag's score changes what is excluded, in both.
+    for score_set in fd.SCORE_SETS:
+      self.assertFalse(np.array_equal(totals[score_set, 1, 0.0],
+                                      totals[score_set, 1, FLOOR]))
 
   def test_bans_carry_and_the_ceiling_flags_separable_rounds(self):
     rows = [

@@ -10,7 +10,8 @@ import numpy as np
 from fedrobust.aggregators import call_aggregator, clustering, get_aggregator
 from fedrobust.aggregators.fldetector import lbfgs_hvp
 from fedrobust.aggregators import fedhan_cache as fc
-from fedrobust.aggregators.fedhan import recovery_bytes, safe_step
+from fedrobust.aggregators.fedhan import (SCORE_SETS, recovery_bytes,
+                                          safe_step)
 from fedrobust.tree import sum_clients
 
 BETA, ALPHA = 0.5, 0.2
@@ -299,6 +300,36 @@ class ClusteringTest(absltest.TestCase):
     self.assertFalse(bool(detected))
     self.assertFalse(np.any(np.asarray(flagged)))
 
+  def test_min_flag_score_flags_only_high_members_above_it(self):
+    """Session 42's example round (scores over the median): attackers 1.48
+    and 1.60 above benign 0.78-1.05 and one benign 1.31. 2-means puts 1.31
+    in the high cluster; a floor of 1.35 x median leaves it out, and a
+    floor above every score flags nobody although DBSCAN splits."""
+    x = jnp.array([0.78, 0.85, 0.9, 0.95, 1.0, 1.05, 1.31, 1.48, 1.60, 9.0])
+    mask = jnp.array([True] * 9 + [False])
+    self.assertEqual(float(np.median(np.asarray(x)[:9])), 1.0)
+    scores = 3.0 * x               # the floor is relative to the median
+    plain, detected = fc.detect(scores, mask, eps=0.1, min_samples=2)
+    self.assertTrue(bool(detected))
+    np.testing.assert_array_equal(plain, [0] * 6 + [1, 1, 1, 0])
+    floor = 1.35
+    gated, detected = fc.detect(scores, mask, eps=0.1, min_samples=2,
+                                min_flag_score=floor)
+    self.assertTrue(bool(detected))
+    np.testing.assert_array_equal(gated, [0] * 7 + [1, 1, 0])
+    none, detected = fc.detect(scores, mask, eps=0.1, min_samples=2,
+                               min_flag_score=2.0)
+    self.assertFalse(bool(detected))
+    self.assertFalse(np.any(np.asarray(none)))
+    # detect_latest applies the same floor to S_j.
+    ids = jnp.array([6, 7], jnp.int32)
+    both, _ = fc.detect_latest(scores, mask, ids, jnp.ones(2, bool),
+                               eps=0.1, min_samples=2)
+    np.testing.assert_array_equal(both, [1, 1])
+    one, _ = fc.detect_latest(scores, mask, ids, jnp.ones(2, bool),
+                              eps=0.1, min_samples=2, min_flag_score=floor)
+    np.testing.assert_array_equal(one, [0, 1])
+
   def test_detect_latest_clusters_every_clients_score(self):
     """S_j of every client's latest score (Sec. 3.5.3): benign scores
     1.0-1.3 chain into one cluster, the attackers 7 (arriving) and 8 (not)
@@ -436,6 +467,25 @@ class RuleTest(absltest.TestCase):
     self.assertEqual(float(infos1[1]['recovered']), 1.0)
     self.assertIn(0, np.flatnonzero(state1.banned))
     self.assertEqual(infos1[3]['weights'][0], 0.0)
+
+  def test_min_flag_score_reaches_the_rule_in_both_score_sets(self):
+    """The opposing clients score far above the benign ones: a floor under
+    their relative score keeps their flags, one above it flags nobody."""
+    rounds = self._opposed_rounds(3, outlier_round=-1, outlier_scale=1.0)
+    for score_set in SCORE_SETS:
+      _, base = self._run_all_arriving(rounds, score_set=score_set)
+      _, low = self._run_all_arriving(rounds, score_set=score_set,
+                                      min_flag_score=2.0)
+      _, high = self._run_all_arriving(rounds, score_set=score_set,
+                                       min_flag_score=1e9)
+      np.testing.assert_array_equal(base[1]['flagged'], [0] * 6 + [1, 1])
+      np.testing.assert_array_equal(low[1]['flagged'], base[1]['flagged'])
+      for r in range(1, len(rounds)):
+        # Later the floor can only spare (a benign arrival, once 6 and 7
+        # are out of the clustering), never add.
+        self.assertFalse(np.any(low[r]['flagged'] & ~base[r]['flagged']))
+        self.assertFalse(np.any(high[r]['flagged']), (score_set, r))
+        self.assertTrue(np.all(high[r]['weights'] > 0), (score_set, r))
 
   def test_clients_score_set_keeps_each_clients_latest_score(self):
     """The state's score is each client's suspicion at its last scored
@@ -825,7 +875,8 @@ class RecoveryTest(absltest.TestCase):
                           'forget'),
                          (dict(unlearn_round=1, forget=np.ones(3, bool)),
                           'unlearn_round'),
-                         (dict(lbfgs_pairs='both'), 'lbfgs_pairs')):
+                         (dict(lbfgs_pairs='both'), 'lbfgs_pairs'),
+                         (dict(min_flag_score=-0.5), 'min_flag_score')):
       with self.assertRaisesRegex(ValueError, name):
         get_aggregator('fedhan', num_clients=3, **kwargs)
 

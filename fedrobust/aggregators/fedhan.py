@@ -265,7 +265,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
            cache_dtype: str = 'float32', ban_after: int = 1,
            exact_warmup: int = 0, exact_every: int = 0,
            lbfgs_pairs: str = 'exact', forget: Any = None,
-           unlearn_round: int = 0, score_set: str = 'arrivals') -> Aggregator:
+           unlearn_round: int = 0, score_set: str = 'arrivals',
+           min_flag_score: float = 0.0) -> Aggregator:
   """FedHAN's imputation, historical selection, detection and recovery.
 
   Args:
@@ -278,6 +279,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
     tau_max: staleness limit of historical candidates.
     eps, min_samples: DBSCAN's radius (relative to the median score) and
       core size.
+    min_flag_score: a member of the high cluster is flagged only if its
+      score is at least this multiple of the median of the clustered
+      scores (`fc.detect`); 0: off, the rule as the paper writes it.
     score_set: the scores S_j that DBSCAN and 2-means cluster (Sec. 3.5.3:
       "the server maintains a latest imputed global update for each client.
       The suspicious score for each client is evaluated as s_{j,i} ... and
@@ -288,7 +292,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       high cluster are flagged, a non-arriving member of it is not.
       'arrivals' (the default): the round's scored arrivals only, banned
       ones included. On the quick preset under trim neither reading
-      reaches DACC 0.9 online (BUILD_NOTES §3d, "Session 43").
+      reaches DACC 0.9 online without a floor (BUILD_NOTES §3d, "Session
+      43"); 'arrivals' with min_flag_score 1.35 and a ban at the first
+      flag does on the mean of held-out seeds ("Session 44").
     detect: run the detection (off: imputation and history only).
     detect_start: first round whose arrivals may be flagged (the paper's
       detector setting starts at round 50); earlier rounds are scored only.
@@ -367,6 +373,8 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
                           ('tau_max', tau_max, tau_max >= 0),
                           ('eps', eps, eps > 0.0),
                           ('min_samples', min_samples, min_samples >= 1),
+                          ('min_flag_score', min_flag_score,
+                           min_flag_score >= 0.0),
                           ('detect_start', detect_start, detect_start >= 1),
                           ('history', history, history >= 1),
                           ('rollback', rollback, rollback >= 0),
@@ -573,10 +581,11 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       if score_set == 'clients':
         flagged, detected = fc.detect_latest(
             latest, (latest >= 0.0) & ~before, ids, scored, eps=eps,
-            min_samples=min_samples)
+            min_samples=min_samples, min_flag_score=min_flag_score)
       else:
         flagged, detected = fc.detect(scores, scored, eps=eps,
-                                      min_samples=min_samples)
+                                      min_samples=min_samples,
+                                      min_flag_score=min_flag_score)
       on = round_ >= detect_start
       flagged, detected = flagged & on, detected & on
     else:

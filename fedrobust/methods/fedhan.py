@@ -38,6 +38,10 @@ FEDHAN_SETTINGS = (
             'by their median (Sec. 3.5.3).'),
     Setting('min_samples', 2, "DBSCAN's core size (a point counts "
             'itself).'),
+    Setting('min_flag_score', 0.0, 'A member of the high cluster is '
+            'flagged only if its suspicion is at least this multiple of the '
+            "clustered scores' median (the paper names a score threshold "
+            'but gives none); 0: off.'),
     Setting('score_set', 'arrivals', "The suspicion scores S_j that DBSCAN "
             "and 2-means cluster (Sec. 3.5.3): 'arrivals', the round's "
             "arrivals; 'clients', every unbanned client's latest score "
