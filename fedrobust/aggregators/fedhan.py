@@ -578,14 +578,13 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       latest = state.score.at[jnp.where(scored, ids, num_clients)].set(
           scores, mode='drop')
     if detect:
+      rule = dict(eps=eps, min_samples=min_samples,
+                  min_flag_score=min_flag_score)
       if score_set == 'clients':
         flagged, detected = fc.detect_latest(
-            latest, (latest >= 0.0) & ~before, ids, scored, eps=eps,
-            min_samples=min_samples, min_flag_score=min_flag_score)
+            latest, (latest >= 0.0) & ~before, ids, scored, **rule)
       else:
-        flagged, detected = fc.detect(scores, scored, eps=eps,
-                                      min_samples=min_samples,
-                                      min_flag_score=min_flag_score)
+        flagged, detected = fc.detect(scores, scored, **rule)
       on = round_ >= detect_start
       flagged, detected = flagged & on, detected & on
     else:
