@@ -109,6 +109,39 @@ class SplitEvaluationsTest(absltest.TestCase):
     self.assertEqual(float(got['test']['count']), 43.0)
 
 
+class RecurrentSplitTest(absltest.TestCase):
+  """A model that scans over a carry it builds from constants (the
+  row-LSTM's zero state) evaluates on a 2-device mesh, the runner's
+  default on 2 cores, and gives the unsplit numbers."""
+
+  def test_row_lstm_on_two_devices(self):
+    if jax.device_count() < 2:
+      self.skipTest('needs 2 devices (conftest sets 4 CPU devices)')
+    from fedrobust.models import get_model  # pylint: disable=g-import-not-at-top
+    model = get_model('row_lstm', num_classes=3, input_shape=(6, 5, 1),
+                      hidden=8)
+    params = model.init(jax.random.PRNGKey(0))
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 255, (13, 6, 5, 1)).astype(np.uint8)
+    y = rng.integers(0, 3, 13).astype(np.int32)
+    test = pad_to_batches(x, y, 4)                     # T = 4
+    mesh = client_mesh(2)
+    whole = evaluations(model.apply, None)
+    split = evaluations(model.apply, mesh)
+    want = whole['test'](params, *map(jnp.asarray, test))
+    got = split['test'](params, *place_clients(rebatch(*test, 2), mesh,
+                                               'sharded'))
+    self.assertEqual(float(got['count']), 13.0)
+    self.assertEqual(float(got['accuracy']), float(want['accuracy']))
+    np.testing.assert_allclose(got['loss'], want['loss'], rtol=1e-5)
+    # Per-client sets [K, T, B, ...] split over the clients.
+    local = tuple(np.stack([a, a]) for a in test)
+    got = split['clients'](params, *place_clients(local, mesh, 'sharded'))
+    np.testing.assert_array_equal(np.asarray(got['count']), [13.0, 13.0])
+    np.testing.assert_allclose(np.asarray(got['accuracy']),
+                               [float(want['accuracy'])] * 2)
+
+
 class BackdoorRatesTest(absltest.TestCase):
 
   def test_rates_from_hand_counts(self):
