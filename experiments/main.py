@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import config as config_lib
+from experiments import preemption
 from experiments import train
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
@@ -98,6 +99,10 @@ def main(argv):
     print(train.format_summary(err.summary))
     print(f'error: {err}', file=sys.stderr)
     sys.exit(3)
+  except preemption.Preempted as err:
+    print(train.format_summary(err.summary))
+    print(f'stopped: {err}', file=sys.stderr)
+    sys.exit(preemption.EXIT_CODE)
   except (ValueError, train.DataNotFoundError) as err:
     print(f'error: {err}', file=sys.stderr)
     sys.exit(2)

@@ -87,6 +87,9 @@ flags.DEFINE_string('marks', None, 'JSON file {"flag=v;flag2=v2": "why"}: '
                     'table marks them and lists the reasons below it (a '
                     'key may name a subset of the columns).')
 flags.DEFINE_boolean('dry_run', False, 'Print the cells and exit.')
+flags.DEFINE_integer('max_cells', 0, 'Run only the first N cells of the '
+                     'grid (0: all); the tables hold those. A quick check '
+                     'of a sweep before the whole grid runs.', lower_bound=0)
 flags.mark_flags_as_required(['name'])
 FLAGS = flags.FLAGS
 
@@ -631,6 +634,8 @@ def main(argv):
           f'{len(FLAGS.merge.split(","))} CSVs', flush=True)
     return
   cells = parse_grid(FLAGS.grid)
+  if FLAGS.max_cells:
+    cells = cells[:FLAGS.max_cells]
   keys = list(cells[0]) if cells and cells[0] else []
   metrics = [m.strip() for m in FLAGS.metrics.split(',') if m.strip()]
   axes = load_axes(FLAGS.axes)

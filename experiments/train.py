@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments import backbone
+from experiments import preemption as preemption_lib
 from experiments import config as config_lib
 from experiments import workdir as workdir_lib
 from experiments.devices import configure_cpu_devices
@@ -991,9 +992,12 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
   # Under jax.distributed every process runs this loop on one shared
   # workdir: process 0 holds the lock and writes the run's files; every
   # process computes the same replicated rounds and joins each checkpoint.
+  # A SIGTERM or SIGINT from here on ends the run after the round in
+  # flight, checkpointed (experiments/preemption.py).
   with (workdir_lib.Lock(workdir) if is_primary()
-        else contextlib.nullcontext()):
-    return _run_locked(config, program, started)
+        else contextlib.nullcontext()), \
+      preemption_lib.Preemption() as preemption:
+    return _run_locked(config, program, started, preemption)
 
 
 def make_optimizer(config: dict[str, Any], lr: float, num_steps: int):
@@ -1084,7 +1088,8 @@ def initial_params(cohorts: tuple[Cohort, ...], seed: int) -> tuple:
 
 
 def _run_locked(config: dict[str, Any], program: Program,
-                started: float) -> dict[str, Any]:
+                started: float, preemption: preemption_lib.Preemption
+                ) -> dict[str, Any]:
   setup, cohorts, method = program.setup, program.cohorts, program.method
   workdir = config['workdir']
   primary = is_primary()
@@ -1187,8 +1192,10 @@ def _run_locked(config: dict[str, Any], program: Program,
   rows = workdir_lib.read_metrics(metrics_path, start_round,
                                   rewrite=primary)
   rounds_path = os.path.join(workdir, 'rounds.jsonl')
-  if config['log_clients']:
-    workdir_lib.read_metrics(rounds_path, start_round, rewrite=primary)
+  logged_rounds = {}
+  if config['log_clients'] or os.path.lexists(rounds_path):
+    logged_rounds = {r['round']: r for r in workdir_lib.read_metrics(
+        rounds_path, start_round, rewrite=primary)}
 
   # The state goes in replicated; XLA may otherwise choose to leave a
   # [clients, ...] leaf of the output sharded over the client axis (a
@@ -1224,7 +1231,18 @@ def _run_locked(config: dict[str, Any], program: Program,
                           if rows else []}
   detection_totals = dict(ledger['detection_totals'])
   skipped = list(ledger['skipped_rounds'])
+  if restored is not None:
+    lost = missing_rounds(rows, start_round, config['eval_every'],
+                          bool(ledger.get('metrics_row')))
+    for row in restore_rows(
+        lost, start_round,
+        lambda: evaluator(method.eval_models(state)), logged_rounds,
+        config['local_epochs'], skipped):
+      rows.append(row)
+      append_row(metrics_path, row)
+  del logged_rounds
   diverged_at = None
+  preempted_at = None
   threat = program.threat
   for rnd in range(start_round + 1, num_rounds + 1):
     t0 = time.perf_counter()
@@ -1256,22 +1274,22 @@ def _run_locked(config: dict[str, Any], program: Program,
       line += (f" arrivals {int(metrics['arrivals'])} staleness "
                f"{float(metrics['staleness_mean']):.2f}")
     stop = nonfinite and on_divergence == 'stop'
+    # Asked at every round boundary: under jax.distributed a collective
+    # that every process joins, so all stop after the same round.
+    if not stop and rnd < num_rounds and preemption.requested():
+      preempted_at = rnd
     if config['log_clients']:
       append_row(rounds_path, dict(
           {'round': rnd}, **{k: float(v) for k, v in metrics.items()},
           round_seconds=seconds, **({'clients': clients} if clients else {})))
-    if rnd % config['eval_every'] == 0 or rnd == num_rounds or stop:
-      row = {'round': rnd}
+    evaluated = rnd % config['eval_every'] == 0 or rnd == num_rounds or stop
+    if evaluated:
       t_eval = time.perf_counter()
-      row.update(evaluator(method.eval_models(state)))
-      row.update(round_seconds=seconds, samples_per_second=samples / seconds,
-                 eval_seconds=time.perf_counter() - t_eval)
-      row.update({k: float(v) for k, v in metrics.items()})
-      if clients:
-        row['clients'] = clients
-        row['clients_auc'] = client_aucs(clients)
-      if skipped:
-        row['skipped_rounds'] = list(skipped)
+      evaluation = evaluator(method.eval_models(state))
+      row = metrics_row(rnd, evaluation, metrics, seconds=seconds,
+                        samples=samples,
+                        eval_seconds=time.perf_counter() - t_eval,
+                        clients=clients, skipped=skipped)
       rows.append(row)
       append_row(metrics_path, row)
       line += f" test_acc {_fmt(row['test_accuracy'])}"
@@ -1288,21 +1306,30 @@ def _run_locked(config: dict[str, Any], program: Program,
     logging.info('%s eta %.0fs', line, eta)
     if stop:
       break                           # the diverged state is not saved
-    if rnd % config['checkpoint_every'] == 0 or rnd == num_rounds:
+    if (rnd % config['checkpoint_every'] == 0 or rnd == num_rounds
+        or preempted_at):
       try:
         checkpointer.save(rnd, state, ledger={
-            'detection_totals': detection_totals, 'skipped_rounds': skipped})
+            'detection_totals': detection_totals, 'skipped_rounds': skipped,
+            'metrics_row': evaluated})
       except CheckpointSpaceError as err:
         raise WorkdirError(
             f'--workdir={workdir}: round {rnd} could not be checkpointed: '
             f'{err}. Free space, lower --checkpoints_keep, or pass '
             '--checkpoint_compress; rerun the same command to resume from '
             'the last step') from err
+    if preempted_at:
+      logging.warning('%s: stopped after round %d of %d, checkpointed',
+                      preemption.received or 'a signal on another process',
+                      rnd, num_rounds)
+      break
   checkpointer.close()
 
   final_finite = bool(jax.device_get(all_finite(state.params)))
   status = 'completed' if final_finite and not (
       diverged_at and on_divergence == 'stop') else 'diverged'
+  if status == 'completed' and preempted_at:
+    status = 'preempted'
   newcomers = {}
   if program.unseen is not None and status == 'completed':
     newcomers = adapt_unseen(program, state, evaluator, put, config)
@@ -1368,6 +1395,12 @@ def _run_locked(config: dict[str, Any], program: Program,
     plot_curves(os.path.join(workdir, 'curves.png'), rows, title)
     if any('clients' in r for r in rows):
       plot_clients(os.path.join(workdir, 'clients.png'), rows, title)
+  if status == 'preempted':
+    raise preemption_lib.Preempted(
+        f'preempted ({preemption.received or "a signal on another process"})'
+        f' after round {preempted_at} of {num_rounds}: round '
+        f'{preempted_at} is checkpointed in {workdir}/checkpoints. Run the '
+        'same command again to resume from it.', summary)
   if status == 'diverged':
     where = (f'round {diverged_at}' if diverged_at else
              f'round {int(state.round)}')
@@ -1379,6 +1412,83 @@ def _run_locked(config: dict[str, Any], program: Program,
         '--on_divergence=skip_round to drop such rounds. Summary: '
         f"{summary['files']['summary']}", summary)
   return summary
+
+
+def metrics_row(rnd: int, evaluation: dict[str, Any],
+                metrics: dict[str, Any], *, seconds: float, samples: float,
+                eval_seconds: float, clients: dict[str, list] | None,
+                skipped: list[int]) -> dict[str, Any]:
+  """One metrics.jsonl row: the evaluation of round `rnd`'s model, then
+  the round's own metrics (as the compiled round returned them)."""
+  row = {'round': rnd}
+  row.update(evaluation)
+  row.update(round_seconds=seconds,
+             samples_per_second=(samples / seconds if seconds else None),
+             eval_seconds=eval_seconds)
+  row.update({k: (None if v is None else float(v))
+              for k, v in metrics.items()})
+  if clients:
+    row['clients'] = clients
+    row['clients_auc'] = client_aucs(clients)
+  if skipped:
+    row['skipped_rounds'] = list(skipped)
+  return row
+
+
+def missing_rounds(rows: list[dict[str, Any]], start_round: int,
+                   eval_every: int, last_logged: bool) -> list[int]:
+  """The rounds up to the checkpointed `start_round` that should have a
+  metrics row and have none (a row cut by a crash, or lost with a
+  file): every --eval_every-th round after the last row, and
+  `start_round` itself where its checkpoint says it was logged."""
+  last = max((r['round'] for r in rows), default=0)
+  want = [r for r in range(last + 1, start_round + 1) if r % eval_every == 0]
+  if last_logged and start_round > last and start_round not in want:
+    want.append(start_round)
+  return want
+
+
+def restore_rows(missing: list[int], start_round: int, evaluate_state,
+                 logged: dict[int, dict[str, Any]], local_epochs: int,
+                 skipped: list[int]) -> list[dict[str, Any]]:
+  """Rows for the `missing` rounds: the checkpointed round re-evaluated
+  from its model (`evaluate_state()`: deterministic, so the numbers are
+  those the lost row had), with its round metrics from rounds.jsonl
+  (`logged`, by round); an older round from rounds.jsonl alone. Each row
+  says where it came from under 'restored'."""
+  rows = []
+  for rnd in missing:
+    entry = dict(logged.get(rnd, {}))
+    entry.pop('round', None)
+    seconds = entry.pop('round_seconds', None)
+    clients = entry.pop('clients', None)
+    entry.pop('nonfinite', None)
+    if rnd == start_round:
+      t0 = time.perf_counter()
+      evaluation = evaluate_state()
+      eval_seconds = time.perf_counter() - t0
+      source = 're-evaluated from the checkpoint'
+    elif entry:
+      evaluation, eval_seconds = {}, None
+      source = 'rounds.jsonl (its model is no longer checkpointed)'
+    else:
+      logging.warning('round %d has no metrics row and neither its model '
+                      'nor a rounds.jsonl row is left to restore it from',
+                      rnd)
+      continue
+    examples = entry.get('examples')
+    row = metrics_row(
+        rnd, evaluation, entry, seconds=seconds or 0.0,
+        samples=(examples or 0.0) * local_epochs, eval_seconds=eval_seconds,
+        clients=clients, skipped=[r for r in skipped if r <= rnd])
+    if not seconds:
+      row.pop('round_seconds')
+      row.pop('samples_per_second')
+    row['restored'] = source
+    logging.warning('metrics.jsonl had no row for round %d (cut by a '
+                    'crash or lost); restored it: %s', rnd, source)
+    rows.append(row)
+  return rows
 
 
 def client_rows(per: dict[str, np.ndarray] | None

@@ -72,13 +72,24 @@ def write_json(path: str, obj: dict[str, Any]) -> None:
 
 
 def append_row(path: str, row: dict[str, Any]) -> None:
-  """Appends one strict-JSON line and fsyncs it (never follows a symlink)."""
+  """Appends one strict-JSON line whole and fsyncs it (never follows a
+  symlink).
+
+  The line goes out in one write(2) on an O_APPEND descriptor, not
+  through a buffered file that may split it, so a reader never sees half
+  a row next to a whole one, and only a crash inside that one call can
+  leave a cut line (which `read_metrics` drops, and the runner restores).
+  """
+  data = (dumps(row) + '\n').encode()
   fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
                getattr(os, 'O_NOFOLLOW', 0), 0o644)
-  with os.fdopen(fd, 'a') as f:
-    f.write(dumps(row) + '\n')
-    f.flush()
-    os.fsync(f.fileno())
+  try:
+    view = memoryview(data)
+    while view:                       # a short write: the rest follows
+      view = view[os.write(fd, view):]
+    os.fsync(fd)
+  finally:
+    os.close(fd)
 
 
 def read_json_object(path: str) -> dict[str, Any]:
@@ -116,6 +127,8 @@ def read_metrics(path: str, last_round: int, *, rewrite: bool = True
         row = json.loads(line)
       except ValueError:
         if number == len(lines):      # a line cut by a kill
+          logging.warning('%s:%d was cut mid-write (a crash); dropped it',
+                          path, number)
           continue
         raise WorkdirError(f'{path}:{number} is not JSON; fix or remove '
                            'the line') from None

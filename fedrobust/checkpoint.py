@@ -16,6 +16,11 @@ fails to restore. Here old steps are first renamed into a trash directory
 (`todelete_subdir`, one atomic rename), and the trash is emptied afterwards
 and at every start.
 
+File list: beside the hash, `.integrity/<step>.files.json` records every
+file of the step and its size. A restore compares them first, so a step
+with a file cut short, lost or added is set aside before orbax reads it
+(orbax's asynchronous reads of a truncated file fail noisily).
+
 Host ledger: `save(step, state, ledger=...)` can record a small JSON
 object beside the step (`.integrity/<step>.ledger.json`, written
 atomically before the hash, with its own sha256 inside): host-side run
@@ -236,6 +241,43 @@ class Checkpointer:
   def _ledger_path(self, step: int) -> str:
     return os.path.join(self.directory, _INTEGRITY, f'{step}.ledger.json')
 
+  def _files_path(self, step: int) -> str:
+    return os.path.join(self.directory, _INTEGRITY, f'{step}.files.json')
+
+  def _step_files(self, step: int) -> dict[str, int]:
+    """{path relative to the step: size in bytes} of its files."""
+    top = os.path.join(self.directory, str(step))
+    found = {}
+    for folder, _, names in os.walk(top):
+      for name in names:
+        path = os.path.join(folder, name)
+        found[os.path.relpath(path, top)] = os.path.getsize(path)
+    return found
+
+  def _files_changed(self, step: int) -> str | None:
+    """Why the step's files are not those it was saved with (a file
+    missing, added or of another size), or None; None too for a step
+    saved without a file list. Checked before orbax reads the step: a
+    truncated file fails inside orbax's asynchronous reads, which then
+    print tracebacks from callbacks that outlive their event loop."""
+    try:
+      with open(self._files_path(step)) as f:
+        recorded = json.load(f)
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError) as err:
+      return f'unreadable file list ({type(err).__name__})'
+    found = self._step_files(step)
+    for name in sorted(set(recorded) | set(found)):
+      if name not in found:
+        return f'its file {name} is missing'
+      if name not in recorded:
+        return f'it has a file {name} it was not saved with'
+      if found[name] != recorded[name]:
+        return (f'its file {name} has {found[name]} bytes, '
+                f'{recorded[name]} when saved (cut short or replaced)')
+    return None
+
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
@@ -275,6 +317,8 @@ class Checkpointer:
              'ledger': json.loads(body)}, sort_keys=True).encode())
       elif os.path.exists(self._ledger_path(step)):   # a stale one
         os.unlink(self._ledger_path(step))
+      write_atomic(self._files_path(step), json.dumps(
+          self._step_files(step), sort_keys=True).encode())
       write_atomic(self._hash_path(step), state_digest(state).encode())
       self._empty_trash()
       kept = {str(s) for s in self.steps()}
@@ -304,6 +348,8 @@ class Checkpointer:
         os.replace(self._hash_path(step), target + '.sha256')
       if os.path.exists(self._ledger_path(step)):
         os.replace(self._ledger_path(step), target + '.ledger.json')
+      if os.path.exists(self._files_path(step)):
+        os.replace(self._files_path(step), target + '.files.json')
     barrier(f'checkpoint-set-aside {self.directory} {step} moved')
     self._manager.reload()
     return target
@@ -364,6 +410,9 @@ class Checkpointer:
       self._manager = self._open(needed)
     on_host = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), abstract)
+    changed = self._files_changed(step)
+    if changed is not None:
+      return None, changed
     try:
       state = self._manager.restore(step, args=ocp.args.PyTreeRestore(
           on_host, restore_args=ocp.checkpoint_utils.construct_restore_args(

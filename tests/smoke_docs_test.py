@@ -1,0 +1,64 @@
+"""Every command in README.md and docs/ runs, block by block, as written
+(shrunk to small data: tests/smoke.py), with the runner's own device
+count. A command added to the docs is tested without being listed."""
+
+import pytest
+
+from tests import smoke
+
+BLOCKS = smoke.doc_blocks()
+
+
+def test_the_docs_have_commands():
+  names = {b.path for b in BLOCKS}
+  assert 'README.md' in names
+  assert any('experiments/main.py' in c for b in BLOCKS for c in b.commands)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('block', BLOCKS, ids=[b.name for b in BLOCKS])
+def test_documented_block_runs(block, tmp_path):
+  cwd = smoke.scratch_dir(str(tmp_path / 'repo'))
+  for command in block.commands:
+    for segment in smoke.segments(command):
+      smoke.run_segment(segment, cwd, block.name)
+
+
+class TestExtraction:
+  """The extraction itself, on text made here."""
+
+  def test_blocks_join_continuations_and_drop_comments(self):
+    text = ('intro\n```bash\n# a comment\npython a.py --x=1 \\\n  --y=2\n\n'
+            'python b.py\n```\n```python\nprint(1)\n```\n')
+    found = smoke.blocks(text, 'X.md')
+    assert [b.commands for b in found] == [
+        ('python a.py --x=1 --y=2', 'python b.py')]
+    assert found[0].name == 'X.md:2'
+
+  def test_setup_and_suite_are_not_run(self):
+    assert smoke.prepare('./setup.sh --test', '/tmp')[0] is None
+    assert smoke.prepare('.venv/bin/python -m pytest -q', '/tmp')[0] is None
+    assert smoke.segments('./setup.sh && python x.py') == [
+        './setup.sh', 'python x.py']
+
+  def test_unknown_script_is_named(self):
+    with pytest.raises(smoke.CommandError, match='no shrink rule for '
+                       'experiments/nope.py'):
+      smoke.prepare('.venv/bin/python experiments/nope.py', '/tmp')
+
+  def test_bracketed_optional_argument_is_refused(self):
+    with pytest.raises(smoke.CommandError, match=r'\[--a=1\]'):
+      smoke.prepare('python benchmarks/scale_model.py [--a=1]', '/tmp')
+
+  def test_main_is_shrunk_to_one_round(self):
+    argv, _ = smoke.prepare(
+        'python experiments/main.py --num_rounds=50 --local_epochs=2', '/tmp')
+    assert argv[1:] == ['experiments/main.py', '--local_epochs=2',
+                        '--num_rounds=1',
+                        f'--max_train_examples={smoke.SMALL_TRAIN}']
+
+  def test_the_device_count_is_the_runners(self, monkeypatch):
+    monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=4'
+                       ' --xla_backend_optimization_level=0')
+    assert smoke.environment()['XLA_FLAGS'] == (
+        '--xla_backend_optimization_level=0')
