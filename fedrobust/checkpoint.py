@@ -17,9 +17,11 @@ fails to restore. Here old steps are first renamed into a trash directory
 and at every start.
 
 File list: beside the hash, `.integrity/<step>.files.json` records every
-file of the step and its size. A restore compares them first, so a step
-with a file cut short, lost or added is set aside before orbax reads it
-(orbax's asynchronous reads of a truncated file fail noisily).
+file of the step with its size, and the sha256 of the small ones
+(metadata, manifests). A restore compares them first, so a step with a
+file cut short, lost, added or with a damaged manifest is set aside
+before orbax reads it (orbax's asynchronous reads of such files fail
+with tracebacks printed from callbacks that outlive their event loop).
 
 Host ledger: `save(step, state, ledger=...)` can record a small JSON
 object beside the step (`.integrity/<step>.ledger.json`, written
@@ -69,6 +71,8 @@ PyTree = Any
 _TRASH = '.trash'
 _BROKEN = '.broken'
 _INTEGRITY = '.integrity'
+# Files of a step up to this size have their sha256 in its file list.
+_HASHED_FILE_BYTES = 1 << 20
 _UNFINISHED = '.orbax-checkpoint-tmp'   # orbax's name for a step in writing
 # Bytes a restore may hold in flight beyond the restored state (GB; at
 # least the largest leaf's size, Checkpointer._restore).
@@ -244,14 +248,22 @@ class Checkpointer:
   def _files_path(self, step: int) -> str:
     return os.path.join(self.directory, _INTEGRITY, f'{step}.files.json')
 
-  def _step_files(self, step: int) -> dict[str, int]:
-    """{path relative to the step: size in bytes} of its files."""
+  def _step_files(self, step: int) -> dict[str, list]:
+    """{path relative to the step: [size in bytes, sha256 or None]} of
+    its files; the sha256 of the small ones (metadata and manifests, up
+    to _HASHED_FILE_BYTES), whose damage orbax cannot survive quietly.
+    The array data is covered by the state's content hash."""
     top = os.path.join(self.directory, str(step))
     found = {}
     for folder, _, names in os.walk(top):
       for name in names:
         path = os.path.join(folder, name)
-        found[os.path.relpath(path, top)] = os.path.getsize(path)
+        size = os.path.getsize(path)
+        digest = None
+        if size <= _HASHED_FILE_BYTES:
+          with open(path, 'rb') as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        found[os.path.relpath(path, top)] = [size, digest]
     return found
 
   def _files_changed(self, step: int) -> str | None:
@@ -273,9 +285,12 @@ class Checkpointer:
         return f'its file {name} is missing'
       if name not in recorded:
         return f'it has a file {name} it was not saved with'
-      if found[name] != recorded[name]:
-        return (f'its file {name} has {found[name]} bytes, '
-                f'{recorded[name]} when saved (cut short or replaced)')
+      (size, digest), (saved_size, saved_digest) = found[name], recorded[name]
+      if size != saved_size:
+        return (f'its file {name} has {size} bytes, {saved_size} when '
+                'saved (cut short or replaced)')
+      if digest != saved_digest:
+        return f'its file {name} does not match its recorded sha256'
     return None
 
   def steps(self) -> list[int]:

@@ -157,8 +157,8 @@ class MultiProcessTest(absltest.TestCase):
                        single['params_sha256'])
     self.assertEqual(sorted(os.listdir(os.path.join(
         shared, 'checkpoints', '.integrity'))),
-                     ['1.ledger.json', '1.sha256', '2.ledger.json',
-                      '2.sha256'])
+                     ['1.files.json', '1.ledger.json', '1.sha256',
+                      '2.files.json', '2.ledger.json', '2.sha256'])
 
 
   def test_two_processes_split_the_evaluation(self):

@@ -33,8 +33,14 @@ CONFIGS = os.path.join(ROOT, 'experiments', 'configs')
 DOC_GLOBS = ('README.md', 'docs/**/*.md')
 # One command's limit: a hang fails the test instead of stalling CI.
 TIMEOUT_S = 600
-# Examples a shrunk run trains on (--max_train_examples).
-SMALL_TRAIN = 2000
+# A shrunk run: at most this many clients, and this many training
+# examples (at least MIN_PER_CLIENT per client, so a skewed partition can
+# still give every client one), one local epoch, one round.
+MAX_CLIENTS = 100
+SMALL_TRAIN = 1000
+MIN_PER_CLIENT = 40
+# Test examples per class where a preset draws a per-class global test set.
+SMALL_TEST_PER_CLASS = 10
 _XLA_DEVICES = '--xla_force_host_platform_device_count'
 
 
@@ -92,6 +98,15 @@ def blocks(text: str, path: str) -> list[Block]:
     if commands:
       out.append(Block(path, start, tuple(commands)))
   return out
+
+
+def block_segments(block: Block) -> list[tuple[str, bool]]:
+  """(segment, skip_presets) for each command segment of a block, in
+  order: a bare preset command is left to the preset test unless a later
+  command of the block reads a run directory (runs/...)."""
+  flat = [seg for command in block.commands for seg in segments(command)]
+  return [(seg, not any('runs/' in later for later in flat[i + 1:]))
+          for i, seg in enumerate(flat)]
 
 
 def doc_blocks(root: str = ROOT) -> list[Block]:
@@ -162,18 +177,30 @@ def _preset_values(argv: list[str], cwd: str) -> dict[str, object]:
 
 
 def shrink_main(argv: list[str], cwd: str) -> list[str]:
-  """experiments/main.py: one round on SMALL_TRAIN examples; pretraining
-  one epoch, stored under the scratch directory."""
-  values = dict(_preset_values(argv, cwd))
+  """experiments/main.py: one round of one local epoch on few examples
+  and at most MAX_CLIENTS clients; pretraining one epoch, stored under the
+  scratch directory."""
+  from experiments import config as config_lib  # pylint: disable=g-import-not-at-top
+  values = dict(config_lib.defaults())
+  values.update(_preset_values(argv, cwd))
   for arg in argv:
     name = _flag_name(arg)
     if name and '=' in arg and name != 'flagfile':
       values[name] = arg.split('=', 1)[1]
+  clients = min(int(values['num_clients']), MAX_CLIENTS)
+  small = max(SMALL_TRAIN, MIN_PER_CLIENT * clients)
   limit = int(values.get('max_train_examples') or 0)
   change: dict[str, str | None] = {
-      'num_rounds': '1',
-      'max_train_examples': str(min(limit, SMALL_TRAIN) if limit
-                                else SMALL_TRAIN)}
+      'num_rounds': '1', 'local_epochs': '1',
+      'max_train_examples': str(min(limit, small) if limit else small)}
+  if clients < int(values['num_clients']):
+    change['num_clients'] = str(clients)
+    per_round = int(values.get('clients_per_round') or 0)
+    if per_round > clients:
+      change['clients_per_round'] = str(clients)
+  per_class = int(values.get('global_test_per_class') or 0)
+  if per_class > SMALL_TEST_PER_CLASS:
+    change['global_test_per_class'] = str(SMALL_TEST_PER_CLASS)
   public = int(values.get('public_size') or 0)
   if public:
     change['public_size'] = str(min(public, 500))
@@ -269,12 +296,29 @@ def environment() -> dict[str, str]:
   return env
 
 
-def prepare(segment: str, cwd: str) -> tuple[list[str] | None, str]:
+def covered_preset(segment: str) -> str | None:
+  """The preset a segment runs as is, if it is exactly a preset's
+  documented command (tests/smoke_configs_test.py runs those)."""
+  words = segment.split()
+  if len(words) == 3 and words[1] == 'experiments/main.py':
+    match = re.match(r'^--flagfile=experiments/configs/([\w.-]+\.flags)$',
+                     words[2])
+    if match and match[1] in presets():
+      return match[1]
+  return None
+
+
+def prepare(segment: str, cwd: str, *, skip_presets: bool = False
+            ) -> tuple[list[str] | None, str]:
   """The argv a documented command segment runs as, shrunk, or None and
-  why it is not run here."""
+  why it is not run here. With skip_presets, a bare preset command is not
+  run again (the preset test runs it; the caller passes False where a
+  later command of the block reads the preset's run)."""
   why = not_run(segment)
   if why:
     return None, why
+  if skip_presets and covered_preset(segment):
+    return None, f'the preset test runs {covered_preset(segment)}'
   for marker, (module, extra) in NEEDS.items():
     if marker in segment:
       try:
@@ -306,10 +350,11 @@ def prepare(segment: str, cwd: str) -> tuple[list[str] | None, str]:
   return [sys.executable, script] + SHRINK[script](args, cwd), ''
 
 
-def run_segment(segment: str, cwd: str, label: str) -> str:
+def run_segment(segment: str, cwd: str, label: str, *,
+                skip_presets: bool = False) -> str:
   """Runs one documented command (shrunk) in `cwd`; its output, or
   CommandError naming the command and its output's tail."""
-  argv, why = prepare(segment, cwd)
+  argv, why = prepare(segment, cwd, skip_presets=skip_presets)
   if argv is None:
     return f'not run ({why}): {segment}'
   try:

@@ -19,9 +19,8 @@ def test_the_docs_have_commands():
 @pytest.mark.parametrize('block', BLOCKS, ids=[b.name for b in BLOCKS])
 def test_documented_block_runs(block, tmp_path):
   cwd = smoke.scratch_dir(str(tmp_path / 'repo'))
-  for command in block.commands:
-    for segment in smoke.segments(command):
-      smoke.run_segment(segment, cwd, block.name)
+  for segment, skip_presets in smoke.block_segments(block):
+    smoke.run_segment(segment, cwd, block.name, skip_presets=skip_presets)
 
 
 class TestExtraction:
@@ -41,6 +40,20 @@ class TestExtraction:
     assert smoke.segments('./setup.sh && python x.py') == [
         './setup.sh', 'python x.py']
 
+  def test_a_bare_preset_is_left_to_the_preset_test_unless_read_later(self):
+    block = smoke.Block('X.md', 1, (
+        'python experiments/main.py '
+        '--flagfile=experiments/configs/fedavg_fmnist.flags',
+        'python experiments/main.py '
+        '--flagfile=experiments/configs/fedhan_fmnist_quick.flags',
+        'python experiments/fedhan_detection.py '
+        '--workdir=runs/fedhan_fmnist_quick'))
+    skips = [skip for _, skip in smoke.block_segments(block)]
+    assert skips == [False, False, True]
+    alone = smoke.Block('Y.md', 1, block.commands[:1])
+    (segment, skip), = smoke.block_segments(alone)
+    assert smoke.prepare(segment, '/tmp', skip_presets=skip)[0] is None
+
   def test_unknown_script_is_named(self):
     with pytest.raises(smoke.CommandError, match='no shrink rule for '
                        'experiments/nope.py'):
@@ -52,10 +65,11 @@ class TestExtraction:
 
   def test_main_is_shrunk_to_one_round(self):
     argv, _ = smoke.prepare(
-        'python experiments/main.py --num_rounds=50 --local_epochs=2', '/tmp')
-    assert argv[1:] == ['experiments/main.py', '--local_epochs=2',
-                        '--num_rounds=1',
-                        f'--max_train_examples={smoke.SMALL_TRAIN}']
+        'python experiments/main.py --num_rounds=50 --local_epochs=2 '
+        '--num_clients=1000 --clients_per_round=0', '/tmp')
+    assert argv[1:] == ['experiments/main.py', '--clients_per_round=0',
+                        '--num_rounds=1', '--local_epochs=1',
+                        '--max_train_examples=4000', '--num_clients=100']
 
   def test_the_device_count_is_the_runners(self, monkeypatch):
     monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=4'
