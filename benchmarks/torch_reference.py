@@ -1,6 +1,6 @@
 """The round users run today, in PyTorch: clients trained one after another.
 
-This is the baseline fedrobust is measured against (issue 5): the same
+This is the baseline fedrobust is measured against: the same
 FedAvg round as `fedrobust.methods.fedavg` on the same shapes, written the
 way Flower/FedML clients and the seed papers' reference code write it:
 

@@ -215,6 +215,8 @@ CORE: tuple[Setting, ...] = (
     S('log_clients', True, 'Log per-client values in metrics.jsonl (id, '
       'attacking, aggregation weight, per-client metrics such as SDFC\'s '
       'T_k) with their AUC against the attackers, and plot clients.png.'),
+    S('tensorboard', True, 'Write every metrics row as TensorBoard scalars '
+      'under <workdir>/tensorboard/ (tensorboard --logdir reads them).'),
     S('eval_batch_size', 500, 'Evaluation batch size.'),
     S('checkpoint_every', 5, 'Checkpoint every this many rounds (and always '
       'at the end).'),
@@ -268,7 +270,7 @@ RESUMABLE_KEYS = frozenset({
     'num_rounds', 'eval_every', 'eval_batch_size', 'checkpoint_every',
     'checkpoints_keep', 'checkpoint_compress', 'workdir', 'overwrite',
     'force_overwrite',
-    'on_divergence', 'log_clients', 'unseen_epochs'})
+    'on_divergence', 'log_clients', 'unseen_epochs', 'tensorboard'})
 # Changing these on resume is allowed (same math, other program), but the
 # final parameters then match an uninterrupted run only within float
 # tolerance, not bitwise. Method settings declared with execution=True

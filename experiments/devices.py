@@ -13,7 +13,7 @@ aborts the whole process (SIGABRT, 'Termination timeout ... of 40 seconds
 exceeded') when one device thread reaches a rendezvous more than 40 s
 after another. On an oversubscribed host (several runs sharing 2 cores),
 or when a run is paused with SIGSTOP, one thread can lag that long, and a
-finished-looking sweep cell dies (BUILD_NOTES §4b, session 23). So the
+finished-looking sweep cell dies (BUILD_NOTES §1). So the
 termination timeout is raised to an hour before the backend starts.
 """
 

@@ -1,5 +1,5 @@
 r"""FedDPA's personal accuracy under other mixing rules, read from a finished
-run's last checkpoint (BUILD_NOTES §3f, sixth session):
+run's last checkpoint (BUILD_NOTES §3f):
 
   python experiments/feddpa_mix.py WORKDIR
 

@@ -316,7 +316,7 @@ def build_threat(config: dict[str, Any], *, num_classes: int,
     # The server trains on U the way a client trains on its data: same
     # optimizer, batch size and number of local iterations R_l (FLTrust
     # Alg. 1 runs ModelUpdate(., D_0, b, beta, R_l) on both sides). With
-    # a small U that is several passes over it; before 2026-11-24 the
+    # a small U that is several passes over it; formerly the
     # server ran the clients' epochs instead (4 steps on 256 images
     # against about 27 client steps). client_steps is the typical client's
     # count (typical_client_steps), not the largest client's.

@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments import backbone
 from experiments import preemption as preemption_lib
+from experiments import tracking
 from experiments import config as config_lib
 from experiments import workdir as workdir_lib
 from experiments.devices import configure_cpu_devices
@@ -1231,6 +1232,8 @@ def _run_locked(config: dict[str, Any], program: Program,
                           if rows else []}
   detection_totals = dict(ledger['detection_totals'])
   skipped = list(ledger['skipped_rounds'])
+  tracker = (tracking.TensorBoard(workdir, start_round)
+             if primary and config['tensorboard'] else tracking.NoTracking())
   if restored is not None:
     lost = missing_rounds(rows, start_round, config['eval_every'],
                           bool(ledger.get('metrics_row')))
@@ -1240,6 +1243,7 @@ def _run_locked(config: dict[str, Any], program: Program,
         config['local_epochs'], skipped):
       rows.append(row)
       append_row(metrics_path, row)
+      tracker.log(row)
   del logged_rounds
   diverged_at = None
   preempted_at = None
@@ -1292,6 +1296,7 @@ def _run_locked(config: dict[str, Any], program: Program,
                         clients=clients, skipped=skipped)
       rows.append(row)
       append_row(metrics_path, row)
+      tracker.log(row)
       line += f" test_acc {_fmt(row['test_accuracy'])}"
       if row.get('local_accuracy') is not None:
         line += f" local_acc {_fmt(row['local_accuracy'])}"
@@ -1324,6 +1329,7 @@ def _run_locked(config: dict[str, Any], program: Program,
                       rnd, num_rounds)
       break
   checkpointer.close()
+  tracker.close()
 
   final_finite = bool(jax.device_get(all_finite(state.params)))
   status = 'completed' if final_finite and not (

@@ -27,8 +27,8 @@ from absl import logging
 from fedrobust.checkpoint import write_atomic
 
 RUNNER_FILES = ('config.json', 'client_histograms.json', 'metrics.jsonl',
-                'rounds.jsonl', 'summary.json', 'curves.png', 'clients.png', 'checkpoints',
-                '.lock')
+                'rounds.jsonl', 'summary.json', 'curves.png', 'clients.png',
+                'checkpoints', 'tensorboard', '.lock')
 
 
 class WorkdirError(ValueError):

@@ -40,7 +40,7 @@ instead of silently starting over.
 Memory: a save adds nothing to the state's own footprint (no compression
 by default, whole leaves in one chunk), the C heap is trimmed after saves
 and restores, and a restore peaks at the state plus about one leaf. Each
-is measured in BUILD_NOTES §2c, "Session 31".
+is measured in BUILD_NOTES §2c.
 
 Several processes (jax.distributed, one per host): every process calls
 `save` and `restore_latest` on the same directory, which must be shared.

@@ -267,7 +267,7 @@ def local_sgd(loss_fn: LossFn, params: Params, data: LocalData,
   """A client's local training: a fresh batch plan, then train_steps.
 
   The key is split into the plan's and the steps' keys (as every method
-  has done since issue 2, so results are unchanged).
+  has always done, so results are unchanged).
   """
   plan_key, train_key = jax.random.split(key)
   plan = make_batch_plan(plan_key, data.count, config=config)

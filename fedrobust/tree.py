@@ -41,7 +41,7 @@ def sum_clients(x: jax.Array, weights: jax.Array | None = None) -> jax.Array:
   XLA's CPU backend reduces a large [C, D] array over its leading axis with
   a cache-hostile strided loop: jnp.sum(x, axis=0) at C = 100 and the
   FedHAN CNN's D = 1.66M takes 2.0 s there, the same sum as a dot 20 ms
-  (BUILD_NOTES §4b, session 27). The result can differ from jnp.sum's in
+  (BUILD_NOTES §3d). The result can differ from jnp.sum's in
   the last bits (another summation order). On GPU and TPU a dot is as
   fast, and with the client axis sharded it lowers to local partial sums
   and one all-reduce. Precision is HIGHEST: float32 accumulation, never

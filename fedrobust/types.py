@@ -137,7 +137,7 @@ class ServerState(NamedTuple):
 
 
 class LegacyServerState(NamedTuple):
-  """ServerState as checkpointed before the `attack` field (2026-11-24):
+  """ServerState as checkpointed before the `attack` field was added:
   `legacy_server_state` restores such a checkpoint."""
   round: jax.Array
   params: tuple[Params, ...]

@@ -68,6 +68,24 @@ if not flags.FLAGS.is_parsed():
   flags.FLAGS.mark_as_parsed()
 
 
+def _slow_tests() -> frozenset[str]:
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      'slow_tests.txt')
+  with open(path) as f:
+    return frozenset(line.strip() for line in f
+                     if line.strip() and not line.startswith('#'))
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks the tests listed in slow_tests.txt `slow`. The fast tier is
+  `pytest -m "not slow"`; CI runs everything."""
+  del config
+  slow = _slow_tests()
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True, scope='module')
 def _release_compiled_programs(request):
   """Frees a test module's compiled programs when the module ends.

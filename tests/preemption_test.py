@@ -12,6 +12,7 @@ import time
 from unittest import mock
 
 from absl.testing import absltest
+import pytest
 
 from experiments import preemption as preemption_lib
 from experiments import train
@@ -44,6 +45,7 @@ class PreemptionHandlerTest(absltest.TestCase):
     self.assertTrue(p.requested())
 
 
+@pytest.mark.slow
 class PreemptedRunTest(IdxDataTestCase):
 
   def config(self, **overrides):
@@ -164,6 +166,7 @@ class TornRowTest(IdxDataTestCase):
     self.assertEqual(rows_of(path)[0]['round'], 1)
 
 
+@pytest.mark.slow
 class QuietFallbackTest(IdxDataTestCase):
 
   def test_a_truncated_step_falls_back_without_a_traceback(self):

@@ -26,7 +26,7 @@ the output layer is divided by `delta_scale` before the threshold test
 (default 0.002, FLPoison's). The runner sets delta_scale to the clients'
 effective step, lr x local steps / (1 - momentum), which turns a delta
 into the mean gradient it followed; delta_scale = 1 tests the deltas
-themselves (before session 11 the only choice: 1,966 of 2,570 output
+themselves (formerly the only choice: 1,966 of 2,570 output
 coordinates counted as indicative on the backdoor table's flags).
 
 info: 'weights' (1 / |benign| on the benign cluster), 'indicative' (the

@@ -11,7 +11,7 @@ rho_t is the authors' dynamic threshold (AI-secure/CRFL, main.py: for
 MNIST rho_t = min(param_clip_thres, 0.1 t + 2), t the round from 1;
 LOAN 0.025 t + 2, EMNIST 0.25 t + 4): rho_t = min(clip_norm, slope t +
 offset), the default, or a fixed rho_t = clip_norm (schedule='fixed';
-this library before 2026-11-24). FLPoison's CRFL clips the averaged
+this library's earlier choice). FLPoison's CRFL clips the averaged
 UPDATE instead (norm 3, sigma 0.001): clip='update'.
 
 The returned update is w_{t+1} - w_t. Clipping bounds how far any update

@@ -47,9 +47,9 @@ never moves the replay away from the recorded model (`safe_step`).
 `lbfgs_pairs='trajectory'` takes the pairs from the recorded trajectory
 instead (s_t = applied update t, y_t = applied update t minus applied
 update t + 1: the change of the descent direction, in the delta
-convention), as before 2026-11-29; those pairs hold the attackers' part of
+convention), the earlier default; those pairs hold the attackers' part of
 the aggregate, and the correction they give pulled a replay back toward
-the backdoor it was removing (BUILD_NOTES §3d, "Session 41").
+the backdoor it was removing (BUILD_NOTES §3d).
 
 Exact rounds (Sec. 3.5.4 and 4.1's O(T_w + (m - T_w) / T_c) extra client
 rounds). With `exact_warmup` = T_w and `exact_every` = T_c, replayed
@@ -65,8 +65,8 @@ batches xi; the stored update's batches are not kept, so the clients also
 retrain from w_t with the keys of their retraining from what_t (two
 trainings per client and exact round, one where what_t = w_t; with fresh
 batches the pair would
-also hold the sampling difference of two trainings, BUILD_NOTES §3d
-"Session 35"). The L-BFGS product of the estimated rounds uses these pairs
+also hold the sampling difference of two trainings, BUILD_NOTES §3d).
+The L-BFGS product of the estimated rounds uses these pairs
 (the paper's Delta W, Delta G), and is 0 before the first exact round.
 Without exact rounds (the default, T_w = 0 and T_c = 0) no client computes
 anything during the replay, and the rounds after the recovery are the
@@ -151,7 +151,7 @@ class FedHANState(NamedTuple):
 
 
 class FedHANStateV1(NamedTuple):
-  """FedHANState as checkpointed before the `score` field (2026-12-01)."""
+  """FedHANState as checkpointed before the `score` field was added."""
   cache: fc.FedHANCache
   history: jax.Array
   banned: jax.Array
@@ -292,9 +292,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       high cluster are flagged, a non-arriving member of it is not.
       'arrivals' (the default): the round's scored arrivals only, banned
       ones included. On the quick preset under trim neither reading
-      reaches DACC 0.9 online without a floor (BUILD_NOTES §3d, "Session
-      43"); 'arrivals' with min_flag_score 1.35 and a ban at the first
-      flag does on the mean of held-out seeds ("Session 44").
+      reaches DACC 0.9 online without a floor (BUILD_NOTES §3d);
+      'arrivals' with min_flag_score 1.35 and a ban at the first
+      flag does on the mean of held-out seeds.
     detect: run the detection (off: imputation and history only).
     detect_start: first round whose arrivals may be flagged (the paper's
       detector setting starts at round 50); earlier rounds are scored only.
@@ -324,9 +324,9 @@ def fedhan(*, num_byzantine: int = 0, num_clients: int | None = None,
       buffers Delta W, Delta G); without exact rounds there is none, and
       the estimated rounds apply the stored updates uncorrected.
       'trajectory': pairs of the recorded trajectory (applied update t and
-      its change to t + 1), the default until 2026-11-29; they describe the
+      its change to t + 1), the earlier default; they describe the
       aggregate with the attackers in it, and pulled a replayed model back
-      to the backdoor it was removing (BUILD_NOTES §3d, "Session 41").
+      to the backdoor it was removing (BUILD_NOTES §3d).
     forget, unlearn_round: the recovery experiments' told mode (as the
       unlearning baselines FedEraser and Crab are told): in round
       `unlearn_round` (>= 2; 0: off) the clients in `forget`

@@ -185,7 +185,7 @@ def receive(cache: FedHANCache, ids: jax.Array, mask: jax.Array,
 # temporaries (the uploads raveled, the masks, g(w_{j - tau}), the three
 # rows written, the rows read back, Eq. 5's p): at K = 100 and the paper's
 # CNN each is 0.63 GB, 4.4 GB in all, and the server step spent most of its
-# time writing them (BUILD_NOTES §4b, session 27). The functions below walk
+# time writing them (BUILD_NOTES §3d). The functions below walk
 # the slots in blocks of `slot_block(K)` with the same arithmetic per slot;
 # only [block, D] temporaries are made.
 # ----------------------------------------------------------------------------
@@ -465,7 +465,7 @@ def detect(scores: jax.Array, mask: jax.Array, *, eps: float,
     the rule as the paper writes it). The paper's contributions name "a
     suspicion score threshold that separates benign from malicious
     clients" without giving one; this is that threshold, applied on top
-    of the clustering (BUILD_NOTES §3d, "Session 44").
+    of the clustering (BUILD_NOTES §3d).
 
   Returns:
     (flagged bool[K], detected bool[]: some slot was flagged).

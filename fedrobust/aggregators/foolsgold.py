@@ -19,7 +19,7 @@ decided, and the rest of the update is dominated by local-training noise.
 The references apply the unnormalised sum_i alpha_i Delta_i (a FedSGD
 step); dividing by the n real clients keeps FedAvg's scale. Both choices,
 and this library's earlier ones (the whole update; division by sum_i
-alpha_i), are settings: `features`, `normalize` (BUILD_NOTES §3, issue 17).
+alpha_i), are settings: `features`, `normalize` (BUILD_NOTES §3g).
 
 Slot-indexed history: the aggregate API carries no client ids, so H is
 indexed by slot position c in [0, C). This is only meaningful when slot c
@@ -151,15 +151,15 @@ def foolsgold(*, num_byzantine: int, num_clients: int | None = None,
       (the default: the output layer's weights, as the authors' deep-fg
       code, which passes the last layer's indices as sig_features_idx,
       and FLPoison, which keeps top-k indicative features of that layer)
-      or 'all' (the whole flattened update; this library before
-      2026-11-24).
+      or 'all' (the whole flattened update; this library's earlier
+      choice).
     output_path: the output layer's module path (the runner passes the
       model's 'head' role); None: the module of the last 'kernel' leaf.
     normalize: how the weighted sum is scaled: 'clients' (the default,
       sum_i alpha_i Delta_i / n over the n real clients: the references'
       unnormalised weights on FedAvg's scale, so a down-weighted client's
       share is dropped, not handed to the others), 'sum' (divided by
-      sum_i alpha_i; this library before 2026-11-24) or 'none' (deep-fg's
+      sum_i alpha_i; this library's earlier choice) or 'none' (deep-fg's
       and FLPoison's literal sum_i alpha_i Delta_i, n times a mean step).
     epsilon: the references' epsilon (deep-fg 1e-5, FLPoison 1e-6).
 

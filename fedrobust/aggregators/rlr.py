@@ -54,7 +54,7 @@ def rlr(*, num_byzantine: int, threshold: int | None = None,
     threshold: theta >= 1, an integer vote count; None -> max(1, f + 1).
     weighting: the mean's weights: 'data' (the authors' code, agg_avg:
       sum_i n_i g_i / sum_i n_i with n_i the client's example count, read
-      from `weights`) or 'equal' (1/n; this library before 2026-11-24).
+      from `weights`) or 'equal' (1/n; this library's earlier choice).
 
   Returns:
     A stateless Aggregator. info: 'weights' float32[C] (1/n per real

@@ -33,8 +33,8 @@ SV_CHOICES = ('auto',) + SV_METHODS
 
 
 def default_sv_method(backend: str | None = None) -> str:
-  """'svd' on CPU, 'gram' on GPU/TPU. On one H100 (BUILD_NOTES §4b,
-  session 22) Horus's server step at C = 100 took 141 ms by per-matrix
+  """'svd' on CPU, 'gram' on GPU/TPU. On one H100 (BUILD_NOTES §4b)
+  Horus's server step at C = 100 took 141 ms by per-matrix
   SVDs and 2.1 ms by the Gram route (1,337 ms and 3.0 ms at C = 1000); on
   CPU both are under 1% of the round, and 'svd' keeps the CPU results."""
   backend = backend or jax.default_backend()

@@ -126,7 +126,7 @@ def dba_masks(trigger: Trigger, image_shape: tuple[int, ...],
   layout 'grid': the paper's four bars (module constants; the trigger's
   location and margin place them, its size is not used). 'split': the
   trigger's block cut along its width into num_pieces contiguous pieces
-  (this library before 2026-11-24: 4/4/2/2 pixels of a 2 x 6 patch).
+  (this library's earlier layout: 4/4/2/2 pixels of a 2 x 6 patch).
   """
   if layout not in DBA_LAYOUTS:
     raise SettingError('dba_layout', f'{layout!r}; expected one of '

@@ -572,10 +572,10 @@ def lie(*, z: float | None = None, z_rule: str = 'ndss',
   benign spread, so coordinate-wise and distance-based rules keep the
   attackers.
 
-  The references disagree on z (BUILD_NOTES §3, issue 17): the default is
+  The references disagree on z (BUILD_NOTES §3g): the default is
   the NDSS'21 authors' table (about 0.7), the value behind the LIE rows
   of the NDSS tables this library's threat tables follow; 'baruch' is
-  the LIE paper's formula (this library's rule before 2026-11-24; 0.39
+  the LIE paper's formula (this library's earlier rule; 0.39
   for n = 20, m = 4) and 'peers' FLPoison's and Blades' (0.16 there).
 
   Args:
@@ -699,7 +699,7 @@ def min_sum(*, direction: str = 'std', gamma_init: float = 10.0,
   The bound is the smallest benign score sum in the NDSS'21 authors' code
   (`our_attack_score`: `min_score = torch.min(scores)`) and the default;
   threshold='max' takes the largest, as FLPoison's min-sum does (a larger
-  gamma; this library's rule before 2026-11-24).
+  gamma; this library's earlier rule).
 
   Args:
     direction: 'unit_vec', 'sign' or 'std' (see `min_max`).

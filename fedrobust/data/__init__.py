@@ -1,5 +1,6 @@
 """Data: sources, server/client splits, partitioners, fixed-shape stacking."""
 
+from fedrobust.data.arrays import from_arrays, load_npz, save_npz
 from fedrobust.data.federated import (ClientRows, EvalSet, FederatedSetup,
                                       RowTable, build_federated_setup,
                                       hold_out, select_clients, stack_clients,

@@ -457,8 +457,38 @@ def label_profiles(labels: np.ndarray, num_clients: int, *,
   return _as_parts([np.concatenate(p) for p in parts])
 
 
+def natural(labels: np.ndarray, num_clients: int, *,
+            groups: np.ndarray | None, seed: int = 0) -> list[np.ndarray]:
+  """Each client id of the data is one client (FEMNIST's writers, a
+  user's device): client k holds the examples of the k-th smallest id
+  present. `groups` holds the ids (`Dataset.train_groups`, which
+  `data.from_arrays(..., client_ids=...)` fills).
+
+  Raises:
+    SettingError: naming `partition` when the data has no client ids, and
+      `num_clients` when it is not the number of ids present.
+  """
+  del seed
+  labels = _check_labels(labels)
+  if groups is None:
+    raise SettingError('partition', 'natural keeps each client id as one '
+                       'client, and this dataset has none (give client_ids '
+                       'to data.from_arrays, or client_id in an .npz)')
+  groups = np.asarray(groups)
+  if groups.shape != labels.shape:
+    raise ValueError(f'groups {groups.shape} must match labels '
+                     f'{labels.shape}')
+  ids = np.unique(groups)
+  if len(ids) != num_clients:
+    raise SettingError('num_clients', f'natural keeps each of the '
+                       f'{len(ids)} client ids in the data as one client: '
+                       f'expected num_clients={len(ids)}, got {num_clients}')
+  return _as_parts([np.flatnonzero(groups == i) for i in ids])
+
+
 PARTITIONERS: dict[str, Partitioner] = {
     'iid': iid,
+    'natural': natural,
     'dirichlet': dirichlet,
     'label_profiles': label_profiles,
     'group_dirichlet': group_dirichlet,
@@ -493,7 +523,7 @@ def partition(
     quantity_alpha: `alpha` for 'quantity_skew'.
     min_size: `min_size` for 'dirichlet' and 'quantity_skew'.
     groups: int `[N]` example groups for 'group_dirichlet' (which also
-      takes `dirichlet_alpha`).
+      takes `dirichlet_alpha`), or client ids for 'natural'.
     superclasses: label -> superclass for 'superclass_dirichlet' (with
       `dirichlet_alpha`).
 
@@ -511,6 +541,8 @@ def partition(
   _check_num_clients(num_clients, len(labels))
   if name == 'iid':
     return iid(labels, num_clients, seed=seed)
+  if name == 'natural':
+    return natural(labels, num_clients, groups=groups, seed=seed)
   if name == 'dirichlet':
     return dirichlet(labels, num_clients, alpha=dirichlet_alpha, seed=seed,
                      min_size=min_size)

@@ -581,6 +581,11 @@ def _load_any_idx(data_dir: str | None) -> Dataset:
   return load_idx(data_dir, name='idx')
 
 
+def _load_npz(data_dir: str | None) -> Dataset:
+  from fedrobust.data.arrays import load_npz  # pylint: disable=g-import-not-at-top
+  return load_npz(data_dir)
+
+
 def _tfds_loader(tfds_name: str) -> Callable[[str | None], Dataset]:
   def load(data_dir: str | None) -> Dataset:
     return load_tfds(tfds_name, data_dir)
@@ -615,6 +620,8 @@ DATASETS: dict[str, Callable[[str | None], Dataset]] = {
     # The four domains together, each example's domain in train_groups
     # (HiLoRA's domain skew: --partition=group_dirichlet).
     'vader_domains': _vader_loader('all'),
+    # Your own arrays: data_dir is an .npz file (fedrobust.data.arrays).
+    'npz': _load_npz,
 }
 
 

@@ -3,7 +3,7 @@ FDLoRA (seeds/002, Sec. 5.1).
 
 Neither paper is in seeds/ and neither has released code that could be
 read here. What follows was rebuilt from secondary descriptions of their
-algorithms (BUILD_NOTES §3f, "Session 26", lists the sources and every
+algorithms (BUILD_NOTES §3f lists the sources and every
 assumption). Notation: a LoRA factor pair is our (a [d_in, r], b
 [r, d_out]), the paper's (A, B) transposed; s = alpha / r is the cohort
 transform's scale.

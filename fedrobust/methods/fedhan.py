@@ -66,7 +66,7 @@ FEDHAN_SETTINGS = (
     Setting('lbfgs_pairs', 'exact', "Eq. 10's L-BFGS pairs: 'exact' from "
             'the exact replayed rounds (none without them: the stored '
             "updates are replayed uncorrected), 'trajectory' from the "
-            'recorded trajectory (the default before 2026-11-29).',
+            'recorded trajectory (the earlier default).',
             choices=LBFGS_PAIRS),
     Setting('unlearn_round', 0, 'Told mode of the recovery experiments '
             '(as FedEraser and Crab are told): in this round the server '

@@ -117,8 +117,7 @@ def _on_cpu(backend: str | None) -> bool:
 # The pass has no sequential dependency, and each batch pays a fixed cost
 # in small per-layer kernels (the Dense products, the conv statistics'
 # chunks, the sums): on the 2-core box simple_cnn's Fisher ran 13-17%
-# faster at 128 than at 64, and 256 or 512 gained less (BUILD_NOTES §4b,
-# session 39).
+# faster at 128 than at 64, and 256 or 512 gained less (BUILD_NOTES §4).
 FISHER_BATCH_CPU = 128
 
 
@@ -159,8 +158,8 @@ def merge_batches(x: jax.Array, y: jax.Array, mask: jax.Array,
 def _chunk_size(n: int, backend: str | None = None) -> int:
   """Examples per chunk: the largest divisor of n up to STAT_CHUNK on CPU;
   n (one pass) on GPU/TPU, where the batch's block is no cache problem
-  and a scan would serialise the work (session 20's GPU figures ran with
-  one pass)."""
+  and a scan would serialise the work (the GPU figures of BUILD_NOTES
+  §4b ran with one pass)."""
   if not _on_cpu(backend):
     return n
   return max(c for c in range(1, min(n, STAT_CHUNK) + 1) if n % c == 0)
@@ -181,7 +180,7 @@ def _conv_route(kernel_shape, backend: str | None = None) -> str:
   vs 15.4, 3x3 8->16 8.4 vs 5.0); patches won at Cin <= 2 (5x5 1->6 30 vs
   44 ms per 1,024, 5x5 2->8 2.5 vs 3.8) and at Cin Cout >= 1024 (3x3
   32->32 21.0 vs 37.6, 3x3 64->64 87.3 vs 100.4, 5x5 32->64 176 vs 232).
-  GPU/TPU keep 'patches' in one pass (session 20's GPU figures).
+  GPU/TPU keep 'patches' in one pass (BUILD_NOTES §4b's GPU figures).
   A conv fused with its pool (conv_impl 'block') is probed in block
   layout and goes by 'blocks' instead (_layer_stat, _block_stat).
   """
@@ -206,8 +205,7 @@ def _layer_stat(kernel_shape, has_bias, a, delta, stat):
     # replace the patch matrix ('blocks': 16-24 against 37-47 ms per 1,024
     # examples for simple_cnn's 1->6 conv); 'shifts' reads the
     # full-resolution layout (11 against 31 ms by blocks for its 6->16
-    # conv; the whole Fisher 120-132 against 136-149 ms; BUILD_NOTES §4b,
-    # session 38).
+    # conv; the whole Fisher 120-132 against 136-149 ms; BUILD_NOTES §4).
     if route == 'patches':
       route = 'blocks'
     else:
@@ -261,7 +259,7 @@ def _layer_stat_all(kernel_shape, has_bias, a, delta, stat, route=None):
     else:                   # im2col, in the kernel's (kh, kw, Cin) order
       # One gather with layers.window_index (row: output pixel, column:
       # tap (i, j, c)); stacking kh*kw window slices materialised each
-      # window first (BUILD_NOTES §4b, session 27).
+      # window first (BUILD_NOTES §4).
       p = a.reshape(n, -1)[:, window_index(a.shape[1], a.shape[2], cin,
                                            kh, kw)]
       per = jnp.einsum('npk,npo->nko', p, d, precision='highest')

@@ -43,7 +43,7 @@ Deviations and assumptions (say so in results):
     subtracts the centred log of its own label shares from its anchor
     logits before clipping (logit adjustment, Menon et al., ICLR 2021).
     Under label skew the consensus is otherwise a vote among the
-    clients' label priors (BUILD_NOTES §3e, session 21).
+    clients' label priors (BUILD_NOTES §3e).
 
 References:
   RFD-LoRA (under review), Sec. 3-4, Algorithm 1, Appendix G-H.

@@ -133,7 +133,7 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
       # One forward gives the logits and every probed layer's input, so a
       # gradient through it (methods/fisher.py, has_aux) reuses the
       # activations it saved: a separate pass for the inputs cost 14-18%
-      # of the factored Fisher (BUILD_NOTES §4b, session 39).
+      # of the factored Fisher (BUILD_NOTES §4).
       logits, probed = module.apply(
           {'params': params, PROBE_OUTPUTS: perturbations}, x,
           mutable=[PROBE_INPUTS])

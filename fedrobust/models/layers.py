@@ -6,10 +6,10 @@ a checkpoint. On XLA:CPU a convolution inside `lax.scan`, and a convolution
 whose weights are batched by `vmap` (it becomes a grouped convolution), run
 several times slower than a plain matmul over image patches. On one H100 the
 same holds under vmap: the simple CNN's round at C = 100 ran 2.66x faster as
-patches (BUILD_NOTES §4b, session 22). 'block' is 'im2col' with each
+patches (BUILD_NOTES §4b). 'block' is 'im2col' with each
 few-channel convolution that feeds a 2x2 max pool fused with it
 (`conv_pool_block`): on XLA:CPU it halves the simple CNN's local step
-(session 38). TPU keeps the native convolution (unmeasured there).
+(BUILD_NOTES §4). TPU keeps the native convolution (unmeasured there).
 `default_conv_impl()` picks per backend.
 
 LoRA: every layer here reads optional low-rank factors from the variable
@@ -230,7 +230,7 @@ def _conv_shift_add_bwd(res, g):
   # with the client axis in front. Taking the windows as slices and
   # joining them materialised every window, then the matrix, then (vmap
   # left the client axis second) its transpose: 29% of the simple CNN's
-  # round against 13% for the gather (BUILD_NOTES §4b, session 27).
+  # round against 13% for the gather (BUILD_NOTES §4).
   index = (window_index(h, w, cin, kh, kw).T[:, None, :]
            + (np.arange(n) * (h * w * cin))[None, :, None])
   patches = x.reshape(-1)[index.reshape(taps, n * ho * wo)]
@@ -314,7 +314,7 @@ def block_kernel(kernel: jax.Array) -> jax.Array:
 # pool. The block GEMM does (kh+1)(kw+1)/(kh kw) times the multiply-adds
 # (1.44x for 5x5, 1.78x for 3x3); it pays where moving a few-channel
 # full-resolution output and its patches costs more than the arithmetic.
-# On the 2-core box (BUILD_NOTES §4b, session 38): simple_cnn's 1->6 and
+# On the 2-core box (BUILD_NOTES §4): simple_cnn's 1->6 and
 # 6->16 convs fused ran its round 1.5-2.1x faster; fusing cnn's 1->32 conv
 # (5x5 SAME, batch 4) cost 3%, with its 32->64 conv as well 10%, and
 # vgg_small's 32- and 64-channel 3x3 convs 30%.
@@ -383,7 +383,7 @@ def conv_pool_block(x: jax.Array, kernel: jax.Array, bias: jax.Array, *,
   the full-resolution output or its pool mask, and the pool's backward
   scatters into contiguous rows; it does 1.44x the multiply-adds (the
   zeros of the placed kernel). On XLA:CPU the simple CNN's round is about
-  1.6-2x faster (BUILD_NOTES §4b, session 38). Values equal the unfused
+  1.6-2x faster (BUILD_NOTES §4). Values equal the unfused
   layer's up to float reassociation inside the GEMM; max(a_i + b) =
   max(a_i) + b exactly in floating point (rounding is monotone), so the
   bias is added after the pool.
@@ -463,6 +463,6 @@ def pool_relu(x: jax.Array) -> jax.Array:
   is <= 0 both give zero, and elsewhere they route the same share to the
   same positions. Pooling first runs the ReLU and its backward select on a
   quarter of the elements: on XLA:CPU the simple CNN's round is 7-13%
-  faster (BUILD_NOTES §4b, session 28).
+  faster (BUILD_NOTES §4).
   """
   return nn.relu(max_pool_2x2(x))
