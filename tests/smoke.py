@@ -4,16 +4,19 @@ on small data with the runner's own device count.
 
 Commands are read from the Markdown files themselves (fenced ``bash``
 blocks), so a command added to the docs is tested without being listed
-here. Each one runs as written, as a subprocess, with a few flags appended
+here. A fenced ``python`` block is a program a reader runs as it stands:
+it runs whole, unshrunk (it is written small), as a script in the scratch
+directory. A sketch that is not meant to run goes in a ``py`` or ``text``
+block. Each one runs as written, as a subprocess, with a few flags appended
 or replaced that shrink the work (one round, a few thousand examples, one
 timed repetition) but not the code path. A script that the docs run and
 `SHRINK` does not know fails the test, naming the script, so no documented
 command is skipped by accident.
 
-A block's commands run in order in one scratch directory that mirrors the
+A page's blocks run in order in one scratch directory that mirrors the
 repository (its top-level entries are symbolic links), so a later command
-finds what an earlier one wrote (a workdir under runs/), and nothing is
-written into the checkout.
+finds what an earlier one wrote (a workdir under runs/, a data file), and
+nothing is written into the checkout.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ _XLA_DEVICES = '--xla_force_host_platform_device_count'
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-  """One fenced bash block: its file, first line and commands."""
+  """One fenced bash block (its commands) or python block (its source as
+  the one 'command'): file, first line, kind."""
   path: str
   line: int
   commands: tuple[str, ...]
+  kind: str = 'bash'
 
   @property
   def name(self) -> str:
@@ -72,7 +77,7 @@ def blocks(text: str, path: str) -> list[Block]:
   out, lines = [], text.split('\n')
   i = 0
   while i < len(lines):
-    match = re.match(r'^\s*```(bash|sh|shell|console)\s*$', lines[i])
+    match = re.match(r'^\s*```(bash|sh|shell|console|python)\s*$', lines[i])
     if not match:
       i += 1
       continue
@@ -82,6 +87,9 @@ def blocks(text: str, path: str) -> list[Block]:
       body.append(lines[i])
       i += 1
     i += 1
+    if match[1] == 'python':
+      out.append(Block(path, start, ('\n'.join(body) + '\n',), 'python'))
+      continue
     commands, current = [], ''
     for raw in body:
       line = raw.strip()
@@ -101,12 +109,15 @@ def blocks(text: str, path: str) -> list[Block]:
 
 
 def block_segments(block: Block) -> list[tuple[str, bool]]:
-  """(segment, skip_presets) for each command segment of a block, in
+  """(segment, skip_presets) for each command segment of a bash block, in
   order: a bare preset command is left to the preset test unless a later
   command of the block reads a run directory (runs/...)."""
+  if block.kind != 'bash':
+    return []
   flat = [seg for command in block.commands for seg in segments(command)]
   return [(seg, not any('runs/' in later for later in flat[i + 1:]))
           for i, seg in enumerate(flat)]
+
 
 
 def doc_blocks(root: str = ROOT) -> list[Block]:
@@ -375,6 +386,28 @@ def run_segment(segment: str, cwd: str, label: str, *,
         f'{label}: `{segment}` exited 0 but its output lacks '
         f'{EXPECT[script]!r} (run as {shlex.join(argv[1:])}); it ends:\n'
         + done.stdout[-4000:])
+  return done.stdout
+
+
+def run_python(source: str, cwd: str, label: str) -> str:
+  """Runs a documented python block as a script in `cwd`; its output, or
+  CommandError naming the block and the output's tail."""
+  script = os.path.join(cwd, '_doc_block.py')
+  with open(script, 'w') as f:
+    f.write(source)
+  env = environment()
+  env['PYTHONPATH'] = os.pathsep.join(
+      [cwd] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+  try:
+    done = subprocess.run([sys.executable, script], cwd=cwd, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=TIMEOUT_S, check=False)
+  except subprocess.TimeoutExpired as err:
+    raise CommandError(f'{label}: the python block ran past {TIMEOUT_S} s'
+                       ) from err
+  if done.returncode != 0:
+    raise CommandError(f'{label}: the python block exited {done.returncode}'
+                       '; its output ends:\n' + done.stdout[-4000:])
   return done.stdout
 
 

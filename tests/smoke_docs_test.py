@@ -15,10 +15,28 @@ def test_the_docs_have_commands():
   assert any('experiments/main.py' in c for b in BLOCKS for c in b.commands)
 
 
+@pytest.fixture(scope='module')
+def doc_dirs(tmp_path_factory):
+  """One scratch directory per documentation file: its blocks run in
+  order in it, so a block finds what an earlier one wrote (a data file,
+  a run), as a reader following the page would."""
+  made = {}
+
+  def get(path):
+    if path not in made:
+      made[path] = smoke.scratch_dir(str(tmp_path_factory.mktemp(
+          path.replace('/', '_').replace('.', '_'))))
+    return made[path]
+  return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('block', BLOCKS, ids=[b.name for b in BLOCKS])
-def test_documented_block_runs(block, tmp_path):
-  cwd = smoke.scratch_dir(str(tmp_path / 'repo'))
+def test_documented_block_runs(block, doc_dirs):
+  cwd = doc_dirs(block.path)
+  if block.kind == 'python':
+    smoke.run_python(block.commands[0], cwd, block.name)
+    return
   for segment, skip_presets in smoke.block_segments(block):
     smoke.run_segment(segment, cwd, block.name, skip_presets=skip_presets)
 
@@ -28,11 +46,19 @@ class TestExtraction:
 
   def test_blocks_join_continuations_and_drop_comments(self):
     text = ('intro\n```bash\n# a comment\npython a.py --x=1 \\\n  --y=2\n\n'
-            'python b.py\n```\n```python\nprint(1)\n```\n')
+            'python b.py\n```\n```python\nprint(1)\n```\n```py\nx\n```\n')
     found = smoke.blocks(text, 'X.md')
     assert [b.commands for b in found] == [
-        ('python a.py --x=1 --y=2', 'python b.py')]
+        ('python a.py --x=1 --y=2', 'python b.py'), ('print(1)\n',)]
+    assert [b.kind for b in found] == ['bash', 'python']
     assert found[0].name == 'X.md:2'
+
+  def test_a_python_block_runs_and_its_failure_is_named(self, tmp_path):
+    cwd = smoke.scratch_dir(str(tmp_path / 'repo'))
+    assert smoke.run_python('import fedrobust\nprint("ok")\n', cwd,
+                            'X.md:1').strip() == 'ok'
+    with pytest.raises(smoke.CommandError, match='X.md:1.*exited 1'):
+      smoke.run_python('raise SystemExit(1)\n', cwd, 'X.md:1')
 
   def test_setup_and_suite_are_not_run(self):
     assert smoke.prepare('./setup.sh --test', '/tmp')[0] is None
