@@ -187,10 +187,11 @@ def _preset_values(argv: list[str], cwd: str) -> dict[str, object]:
   return values
 
 
-def shrink_main(argv: list[str], cwd: str) -> list[str]:
-  """experiments/main.py: one round of one local epoch on few examples
-  and at most MAX_CLIENTS clients; pretraining one epoch, stored under the
-  scratch directory."""
+def small_values(argv: list[str], cwd: str) -> dict[str, str | None]:
+  """The flags that shrink a run of experiments/main.py with `argv`: one
+  round of one local epoch on few examples (enough for the validation
+  reserve the run asks for) and at most MAX_CLIENTS clients; pretraining
+  one epoch, stored under the scratch directory."""
   from experiments import config as config_lib  # pylint: disable=g-import-not-at-top
   values = dict(config_lib.defaults())
   values.update(_preset_values(argv, cwd))
@@ -200,6 +201,9 @@ def shrink_main(argv: list[str], cwd: str) -> list[str]:
       values[name] = arg.split('=', 1)[1]
   clients = min(int(values['num_clients']), MAX_CLIENTS)
   small = max(SMALL_TRAIN, MIN_PER_CLIENT * clients)
+  fraction = float(values.get('validation_fraction') or 0)
+  if fraction and int(values.get('validation_size') or 0):
+    small = max(small, int(2 * int(values['validation_size']) / fraction))
   limit = int(values.get('max_train_examples') or 0)
   change: dict[str, str | None] = {
       'num_rounds': '1', 'local_epochs': '1',
@@ -221,16 +225,24 @@ def shrink_main(argv: list[str], cwd: str) -> list[str]:
     change['pretrained_dir'] = os.path.join(cwd, 'pretrained')
   if 'unseen_clients' in values and int(values['unseen_clients'] or 0):
     change['unseen_epochs'] = '1'
-  return set_flags(argv, change)
+  return change
+
+
+def shrink_main(argv: list[str], cwd: str) -> list[str]:
+  """experiments/main.py, shrunk by `small_values`."""
+  return set_flags(argv, small_values(argv, cwd))
 
 
 def shrink_sweep(argv: list[str], cwd: str) -> list[str]:
   """experiments/sweep.py: its first cell only, shrunk as main.py is;
   tables and runs under the scratch directory."""
   base = flag_value(argv, 'base_flags') or ''
-  small = [f'--num_rounds=1', f'--max_train_examples={SMALL_TRAIN}']
   if flag_value(argv, 'merge'):          # tabulates CSVs; runs nothing
     return set_flags(argv, {'out': os.path.join(cwd, 'results')})
+  flagfile = flag_value(argv, 'base_flagfile')
+  cell = ([f'--flagfile={flagfile}'] if flagfile else []) + base.split()
+  small = [f'--{k}={v}' for k, v in small_values(cell, cwd).items()
+           if v is not None and k not in ('pretrained_dir',)]
   return set_flags(argv, {
       'base_flags': ' '.join(base.split() + small),
       'max_cells': '1',
