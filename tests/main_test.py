@@ -1003,8 +1003,8 @@ class CheckpointerTest(absltest.TestCase):
                 ledger={'totals': {'tp': step / 3}, 'skipped': [step]})
     integrity = os.path.join(directory, '.integrity')
     self.assertEqual(sorted(os.listdir(integrity)),
-                     ['2.ledger.json', '2.sha256', '3.ledger.json',
-                      '3.sha256'])
+                     ['2.files.json', '2.ledger.json', '2.sha256',
+                      '3.files.json', '3.ledger.json', '3.sha256'])
     self.assertEqual(ckpt.ledger(3), {'totals': {'tp': 1.0}, 'skipped': [3]})
     ckpt.close()
     # One digit of step 3's ledger changed: the step is bad (set aside,
