@@ -15,8 +15,12 @@ import subprocess
 import sys
 
 from absl.testing import absltest
+import pytest
 
 from tests.main_test import write_idx
+
+# Every test here starts several processes: the full suite runs them.
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, 'tests', 'multiprocess_worker.py')
@@ -160,6 +164,59 @@ class MultiProcessTest(absltest.TestCase):
                      ['1.files.json', '1.ledger.json', '1.sha256',
                       '2.files.json', '2.ledger.json', '2.sha256'])
 
+
+  def test_a_signal_to_one_process_stops_both_after_the_same_round(self):
+    """SIGTERM to process 1 only: both processes agree at the round
+    boundary, stop after the same round with exit code 75, and the same
+    command resumes both to the end with every round logged once."""
+    import signal  # pylint: disable=g-import-not-at-top
+    import time  # pylint: disable=g-import-not-at-top
+    from experiments import preemption  # pylint: disable=g-import-not-at-top
+    tmp, data_dir = self._data()
+    shared = os.path.join(tmp, 'shared')
+    extra = dict(FEDROBUST_MP_WORKDIR=shared,
+                 FEDROBUST_MP_OVERRIDES=json.dumps({'num_rounds': 60}))
+    coordinator = f'127.0.0.1:{_free_port()}'
+    outs = [os.path.join(tmp, f'stopped{i}.json') for i in range(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, WORKER, outs[i], data_dir, '2', coordinator, '2',
+         str(i)], env=self._env(1, **extra), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    metrics = os.path.join(shared, 'metrics.jsonl')
+    try:
+      deadline = time.time() + 240
+      while time.time() < deadline and all(p.poll() is None for p in procs):
+        if os.path.exists(metrics):
+          with open(metrics) as f:
+            if len(f.readlines()) >= 2:
+              break
+        time.sleep(0.01)
+      self.assertTrue(all(p.poll() is None for p in procs),
+                      'the run ended before the signal')
+      procs[1].send_signal(signal.SIGTERM)
+      for proc in procs:
+        _, err = proc.communicate(timeout=240)
+        self.assertEqual(proc.returncode, preemption.EXIT_CODE,
+                         err.decode()[-3000:])
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
+    stopped = []
+    for out in outs:
+      with open(out) as f:
+        stopped.append(json.load(f))
+    self.assertEqual([p['status'] for p in stopped], ['preempted'] * 2)
+    self.assertEqual(stopped[0]['rounds_completed'],
+                     stopped[1]['rounds_completed'])
+    self.assertLess(stopped[0]['rounds_completed'], 60)
+    resumed = self._two_processes(tmp, data_dir, 'resumed', **extra)
+    self.assertEqual([p['rounds_completed'] for p in resumed], [60, 60])
+    self.assertEqual(resumed[0]['params_sha256'], resumed[1]['params_sha256'])
+    with open(metrics) as f:
+      self.assertEqual([json.loads(line)['round'] for line in f],
+                       list(range(1, 61)))
 
   def test_two_processes_split_the_evaluation(self):
     """With local test splits, the runner's evaluation splits the global

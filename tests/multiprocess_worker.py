@@ -87,12 +87,19 @@ def main(argv):
       test_images.append(_Recording(dataset.test_x))
       return dataset._replace(test_x=test_images[-1])
     train.load_dataset = recording_load
-    summary = train.run(dict(config, workdir=workdir, checkpoint_every=1))
+    from experiments import preemption  # pylint: disable=g-import-not-at-top
+    try:
+      summary = train.run(dict(config, workdir=workdir, checkpoint_every=1))
+    except preemption.Preempted as err:    # a SIGTERM here or on the peer
+      summary = err.summary
     with open(out_path, 'w') as f:
       json.dump({'process_index': jax.process_index(),
+                 'status': summary['status'],
                  'rounds_completed': summary['rounds_completed'],
                  'params_sha256': summary['params_sha256'],
                  'test_examples_read': sorted(test_images[0].read)}, f)
+    if summary['status'] == 'preempted':
+      sys.exit(preemption.EXIT_CODE)
     return
   program = train.build(config)
   replicated = NamedSharding(program.mesh, PartitionSpec())
