@@ -81,6 +81,8 @@ CORE: tuple[Setting, ...] = (
       'partition has them.'),
     S('unseen_epochs', 5, "Newcomers' local fine-tuning epochs."),
     S('max_train_examples', 0, 'Subsample the training split (0: use all).'),
+    S('max_test_examples', 0, 'Evaluate on a seeded random subset of this '
+      'many examples of the test split (0: all of it), for quick runs.'),
     S('global_test_per_class', 0, 'Evaluate on a seeded, class-balanced '
       'sample of this many test images per class (Horus); 0: the whole '
       'test split.'),

@@ -53,7 +53,8 @@ from fedrobust.checkpoint import (CheckpointError, CheckpointSpaceError,
 from fedrobust.cohort import Cohort, split_roles
 from fedrobust.data import (DEFAULT_FASHION_MNIST_DIR, DataNotFoundError,
                             RowTable, build_federated_setup, hold_out,
-                            load_dataset, subsample, unused_rows)
+                            load_dataset, subsample, subsample_test,
+                            unused_rows)
 from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               client_mesh, default_strategy, evaluate,
                               init_server_state,
@@ -112,7 +113,8 @@ def validate(config: dict[str, Any]) -> None:
   for key in positive:
     if config[key] < 1:
       raise ValueError(f'--{key} must be >= 1, got {config[key]}')
-  for key in ('clients_per_round', 'max_train_examples', 'validation_size',
+  for key in ('clients_per_round', 'max_train_examples', 'max_test_examples',
+              'validation_size',
               'public_size', 'chunk_size', 'scan_unroll', 'num_devices',
               'cpu_devices', 'pretrain_epochs', 'global_test_per_class',
               'unseen_clients'):
@@ -525,6 +527,8 @@ def build(config: dict[str, Any]) -> Program:
 
   dataset = load_dataset(config['dataset'], config['data_dir'])
   dataset = subsample(dataset, config['max_train_examples'], config['seed'])
+  dataset = subsample_test(dataset, config['max_test_examples'],
+                           config['seed'])
   setup = build_federated_setup(
       dataset, num_clients=config['num_clients'] + config['unseen_clients'],
       partition_name=config['partition'], seed=config['seed'],

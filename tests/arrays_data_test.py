@@ -49,6 +49,22 @@ class FromArraysTest(absltest.TestCase):
     with self.assertRaisesRegex(SettingError, r'\[0, 1\]'):
       from_arrays(x * 2.0, y)
 
+  def test_subsample_test_keeps_rows_and_groups_together(self):
+    from fedrobust.data import subsample_test  # pylint: disable=g-import-not-at-top
+    x, y, ids = writers_data()
+    data = from_arrays(x, y, client_ids=ids)
+    small = subsample_test(data, 20, seed=0)
+    self.assertLen(small.test_y, 20)
+    self.assertLen(small.test_groups, 20)
+    # Every kept row is a row of the full split, with its label and id.
+    for xi, yi, gi in zip(small.test_x, small.test_y, small.test_groups):
+      match = np.flatnonzero((data.test_x == xi).all(axis=(1, 2, 3)))
+      self.assertIn(yi, data.test_y[match])
+      self.assertIn(gi, data.test_groups[match])
+    self.assertIs(subsample_test(data, 0, seed=0), data)
+    np.testing.assert_array_equal(subsample_test(data, 20, seed=0).test_y,
+                                  small.test_y)
+
   def test_natural_keeps_each_id_as_one_client(self):
     x, y, ids = writers_data()
     data = from_arrays(x, y, client_ids=ids)

@@ -76,14 +76,29 @@ def _slow_tests() -> frozenset[str]:
                      if line.strip() and not line.startswith('#'))
 
 
+# The longest test files, longest first. xdist's loadfile hands files to
+# the workers in collection order, so starting these first keeps the two
+# workers busy to the end instead of leaving one long file for last.
+LONG_POLES = ('tests/smoke_configs_test.py', 'tests/smoke_configs_more_test.py',
+              'tests/smoke_docs_test.py',
+              'tests/methods_test.py', 'tests/main_test.py',
+              'tests/multiprocess_test.py', 'tests/reliability_test.py')
+
+
 def pytest_collection_modifyitems(config, items):
-  """Marks the tests listed in slow_tests.txt `slow`. The fast tier is
-  `pytest -m "not slow"`; CI runs everything."""
+  """Marks the tests listed in slow_tests.txt `slow` (the fast tier is
+  `pytest -m "not slow"`; CI runs everything), and moves the long-pole
+  files to the front."""
   del config
   slow = _slow_tests()
   for item in items:
     if item.nodeid in slow:
       item.add_marker(pytest.mark.slow)
+
+  def rank(item):
+    path = item.nodeid.split('::')[0]
+    return LONG_POLES.index(path) if path in LONG_POLES else len(LONG_POLES)
+  items.sort(key=rank)        # stable: each file keeps its own order
 
 
 @pytest.fixture(autouse=True, scope='module')

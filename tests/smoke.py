@@ -42,7 +42,9 @@ TIMEOUT_S = 600
 MAX_CLIENTS = 100
 SMALL_TRAIN = 1000
 MIN_PER_CLIENT = 40
-# Test examples per class where a preset draws a per-class global test set.
+# Test examples a shrunk run evaluates on, and per class where a preset
+# draws a per-class global test set.
+SMALL_TEST = 500
 SMALL_TEST_PER_CLASS = 10
 _XLA_DEVICES = '--xla_force_host_platform_device_count'
 
@@ -207,7 +209,8 @@ def small_values(argv: list[str], cwd: str) -> dict[str, str | None]:
   limit = int(values.get('max_train_examples') or 0)
   change: dict[str, str | None] = {
       'num_rounds': '1', 'local_epochs': '1',
-      'max_train_examples': str(min(limit, small) if limit else small)}
+      'max_train_examples': str(min(limit, small) if limit else small),
+      'max_test_examples': str(SMALL_TEST)}
   if clients < int(values['num_clients']):
     change['num_clients'] = str(clients)
     per_round = int(values.get('clients_per_round') or 0)
@@ -431,3 +434,18 @@ def preset_command(name: str) -> str:
 
 def presets() -> list[str]:
   return sorted(f for f in os.listdir(CONFIGS) if f.endswith('.flags'))
+
+
+def preset_shard(index: int, count: int) -> list[str]:
+  """Shard `index` of `count` of the presets, dealt longest first to the
+  least loaded shard by the measured costs in smoke_costs.json, so the
+  shards' files take about the same time on xdist's workers."""
+  import json  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(ROOT, 'tests', 'smoke_costs.json')) as f:
+    costs = json.load(f)
+  loads, shards = [0.0] * count, [[] for _ in range(count)]
+  for name in sorted(presets(), key=lambda n: (-costs.get(n, 30), n)):
+    k = loads.index(min(loads))
+    shards[k].append(name)
+    loads[k] += costs.get(name, 30)
+  return sorted(shards[index])

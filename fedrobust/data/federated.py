@@ -223,6 +223,20 @@ def subsample(dataset: Dataset, max_train_examples: int,
                           train_groups=None if groups is None else groups[keep])
 
 
+def subsample_test(dataset: Dataset, max_test_examples: int,
+                   seed: int) -> Dataset:
+  """A seeded random subset of the test split (0 keeps everything), its
+  rows in their original order and groups kept with them."""
+  if max_test_examples <= 0 or max_test_examples >= len(dataset.test_y):
+    return dataset
+  keep = np.sort(np.random.default_rng(seed + 1).choice(
+      len(dataset.test_y), max_test_examples, replace=False))
+  groups = dataset.test_groups
+  return dataset._replace(test_x=dataset.test_x[keep],
+                          test_y=dataset.test_y[keep],
+                          test_groups=None if groups is None else groups[keep])
+
+
 def build_federated_setup(dataset: Dataset, *, num_clients: int,
                           partition_name: str, seed: int,
                           dirichlet_alpha: float = 0.5,
