@@ -181,8 +181,8 @@ class FindingsTest(_Data, parameterized.TestCase):
     with self.assertRaisesRegex(CheckpointError, 'no checkpoint.*good'):
       self._run_to(workdir, 3)
     self.assertEqual(sorted(os.listdir(f'{workdir}/checkpoints/.broken')),
-                     ['1', '1.ledger.json', '1.sha256', '2',
-                      '2.ledger.json', '2.sha256'])
+                     ['1', '1.files.json', '1.ledger.json', '1.sha256',
+                      '2', '2.files.json', '2.ledger.json', '2.sha256'])
     self.assertEqual(len(strict_rows(f'{workdir}/metrics.jsonl')), 2)
     summary = self._run_to(workdir, 2, overwrite=True)   # explicit restart
     self.assertEqual(summary['rounds_completed'], 2)
