@@ -40,11 +40,11 @@ TIMEOUT_S = 600
 # examples (at least MIN_PER_CLIENT per client, so a skewed partition can
 # still give every client one), one local epoch, one round.
 MAX_CLIENTS = 100
-SMALL_TRAIN = 1000
-MIN_PER_CLIENT = 40
+SMALL_TRAIN = 400
+MIN_PER_CLIENT = 20
 # Test examples a shrunk run evaluates on, and per class where a preset
 # draws a per-class global test set.
-SMALL_TEST = 500
+SMALL_TEST = 200
 SMALL_TEST_PER_CLASS = 10
 _XLA_DEVICES = '--xla_force_host_platform_device_count'
 
@@ -205,7 +205,7 @@ def small_values(argv: list[str], cwd: str) -> dict[str, str | None]:
   small = max(SMALL_TRAIN, MIN_PER_CLIENT * clients)
   fraction = float(values.get('validation_fraction') or 0)
   if fraction and int(values.get('validation_size') or 0):
-    small = max(small, int(2 * int(values['validation_size']) / fraction))
+    small = max(small, int(1.1 * int(values['validation_size']) / fraction))
   limit = int(values.get('max_train_examples') or 0)
   change: dict[str, str | None] = {
       'num_rounds': '1', 'local_epochs': '1',

@@ -95,8 +95,8 @@ class TestExtraction:
         '--num_clients=1000 --clients_per_round=0', '/tmp')
     assert argv[1:] == ['experiments/main.py', '--clients_per_round=0',
                         '--num_rounds=1', '--local_epochs=1',
-                        '--max_train_examples=4000',
-                        '--max_test_examples=500', '--num_clients=100']
+                        '--max_train_examples=2000',
+                        '--max_test_examples=200', '--num_clients=100']
 
   def test_the_device_count_is_the_runners(self, monkeypatch):
     monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=4'
