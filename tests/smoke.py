@@ -45,6 +45,10 @@ MIN_PER_CLIENT = 20
 # Test examples a shrunk run evaluates on, and per class where a preset
 # draws a per-class global test set.
 SMALL_TEST = 200
+# The largest server validation set (--validation_size) a shrunk run keeps.
+SMALL_VALIDATION = 64
+# The largest public split (--public_size) a shrunk run pretrains on.
+SMALL_PUBLIC = 200
 SMALL_TEST_PER_CLASS = 10
 _XLA_DEVICES = '--xla_force_host_platform_device_count'
 
@@ -204,8 +208,12 @@ def small_values(argv: list[str], cwd: str) -> dict[str, str | None]:
   clients = min(int(values['num_clients']), MAX_CLIENTS)
   small = max(SMALL_TRAIN, MIN_PER_CLIENT * clients)
   fraction = float(values.get('validation_fraction') or 0)
-  if fraction and int(values.get('validation_size') or 0):
-    small = max(small, int(1.1 * int(values['validation_size']) / fraction))
+  validation = int(values.get('validation_size') or 0)
+  if fraction and validation:
+    # The server's validation set (|U|) shrinks too; the reserve it is
+    # drawn from must still hold it.
+    validation = min(validation, SMALL_VALIDATION)
+    small = max(small, int(1.1 * validation / fraction) + 1)
   limit = int(values.get('max_train_examples') or 0)
   change: dict[str, str | None] = {
       'num_rounds': '1', 'local_epochs': '1',
@@ -216,12 +224,18 @@ def small_values(argv: list[str], cwd: str) -> dict[str, str | None]:
     per_round = int(values.get('clients_per_round') or 0)
     if per_round > clients:
       change['clients_per_round'] = str(clients)
+  if validation and validation < int(values['validation_size']):
+    change['validation_size'] = str(validation)
   per_class = int(values.get('global_test_per_class') or 0)
   if per_class > SMALL_TEST_PER_CLASS:
     change['global_test_per_class'] = str(SMALL_TEST_PER_CLASS)
   public = int(values.get('public_size') or 0)
   if public:
-    change['public_size'] = str(min(public, 500))
+    public = min(public, SMALL_PUBLIC)
+    change['public_size'] = str(public)
+    train = int(change['max_train_examples'])
+    if train - public < small:     # the clients keep `small` examples
+      change['max_train_examples'] = str(public + small)
   if int(values.get('pretrain_epochs') or 0):
     change['pretrain_epochs'] = '1'
   if values.get('pretrained_dir'):
