@@ -60,14 +60,20 @@ class MultiProcessTest(absltest.TestCase):
     write_idx(data_dir)
     return tmp, data_dir
 
-  def _two_processes(self, tmp, data_dir, tag, **extra):
-    """Both processes' output JSON: one jax.distributed job, 1 device each."""
+  def _start_two(self, tmp, data_dir, tag, **extra):
+    """(processes, output paths) of one jax.distributed job of two
+    processes with 1 device each, started."""
     coordinator = f'127.0.0.1:{_free_port()}'
     outs = [os.path.join(tmp, f'{tag}{i}.json') for i in range(2)]
     procs = [subprocess.Popen(
         [sys.executable, WORKER, outs[i], data_dir, '2', coordinator, '2',
          str(i)], env=self._env(1, **extra), cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    return procs, outs
+
+  def _two_processes(self, tmp, data_dir, tag, **extra):
+    """Both processes' output JSON: one jax.distributed job, 1 device each."""
+    procs, outs = self._start_two(tmp, data_dir, tag, **extra)
     try:   # a process that fails leaves its peer waiting: stop both
       return [self._result(p, o) for p, o in zip(procs, outs)]
     finally:
@@ -176,12 +182,7 @@ class MultiProcessTest(absltest.TestCase):
     shared = os.path.join(tmp, 'shared')
     extra = dict(FEDROBUST_MP_WORKDIR=shared,
                  FEDROBUST_MP_OVERRIDES=json.dumps({'num_rounds': 60}))
-    coordinator = f'127.0.0.1:{_free_port()}'
-    outs = [os.path.join(tmp, f'stopped{i}.json') for i in range(2)]
-    procs = [subprocess.Popen(
-        [sys.executable, WORKER, outs[i], data_dir, '2', coordinator, '2',
-         str(i)], env=self._env(1, **extra), cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    procs, outs = self._start_two(tmp, data_dir, 'stopped', **extra)
     metrics = os.path.join(shared, 'metrics.jsonl')
     try:
       deadline = time.time() + 240
