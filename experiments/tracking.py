@@ -41,16 +41,18 @@ def scalars(row: dict[str, Any], prefix: str = '') -> Iterable[tuple[str,
 class TensorBoard:
   """Writes metrics rows under `<workdir>/tensorboard/`.
 
-  start_round: the round the run starts after (0, or the resumed
-  checkpoint's); events of later rounds from an earlier attempt are
-  purged.
+  keep_through: on a resume, the last round whose earlier events stay
+  (the checkpoint's round, or the round before the first restored row):
+  events of later rounds from an earlier attempt are purged. None for a
+  fresh run.
   """
 
-  def __init__(self, workdir: str, start_round: int):
+  def __init__(self, workdir: str, keep_through: int | None):
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
     self.logdir = os.path.join(workdir, TENSORBOARD_DIR)
     self._writer = SummaryWriter(
-        self.logdir, purge_step=start_round + 1 if start_round else None)
+        self.logdir,
+        purge_step=None if keep_through is None else keep_through + 1)
 
   def log(self, row: dict[str, Any]) -> None:
     step = int(row['round'])

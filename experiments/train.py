@@ -1236,11 +1236,16 @@ def _run_locked(config: dict[str, Any], program: Program,
                           if rows else []}
   detection_totals = dict(ledger['detection_totals'])
   skipped = list(ledger['skipped_rounds'])
-  tracker = (tracking.TensorBoard(workdir, start_round)
+  lost = [] if restored is None else missing_rounds(
+      rows, start_round, config['eval_every'],
+      bool(ledger.get('metrics_row')))
+  # TensorBoard drops the earlier events from the first round logged anew
+  # on: restored rows too, so none shows twice.
+  tracker = (tracking.TensorBoard(
+      workdir, None if restored is None
+      else min(lost, default=start_round + 1) - 1)
              if primary and config['tensorboard'] else tracking.NoTracking())
-  if restored is not None:
-    lost = missing_rounds(rows, start_round, config['eval_every'],
-                          bool(ledger.get('metrics_row')))
+  if lost:
     for row in restore_rows(
         lost, start_round,
         lambda: evaluator(method.eval_models(state)), logged_rounds,

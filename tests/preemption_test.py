@@ -135,6 +135,10 @@ class TornRowTest(IdxDataTestCase):
                 'local_accuracy'):
       self.assertEqual(rows[1][key], original[1][key], key)
     self.assertTrue(any('restored it' in m for m in logs.output))
+    # TensorBoard shows the restored round once, like metrics.jsonl.
+    from tests.tracking_test import read_scalars  # pylint: disable=g-import-not-at-top
+    got = read_scalars(os.path.join(workdir, 'tensorboard'))
+    self.assertEqual([s for s, _ in got['test_accuracy']], [1, 2, 3])
 
   def test_older_lost_rows_come_from_rounds_jsonl(self):
     workdir = self.create_tempdir().full_path
