@@ -7,7 +7,7 @@ Everything in the reference comes from the code: the METHODS entries (their
 summaries and settings), the AGGREGATORS, PRE_AGGREGATORS, ATTACKS, MODELS,
 DATASETS and PARTITIONERS registries (each entry's docstring, else the
 comment above it in the registry's literal, else the docstring of the
-function it returns a call of), the core settings of experiments/config.py
+function it returns a call of), the core settings of fedrobust/config.py
 (grouped by the comments in CORE) and the literal flags experiments/main.py
 defines besides them (--distributed). `render()` returns the text;
 tests/docs_reference_test.py fails when the checked-in file differs.
@@ -38,6 +38,7 @@ if ROOT not in sys.path:      # run as a script: docs/ is sys.path[0]
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import config as config_lib
+from fedrobust import config as fedrobust_config
 from fedrobust import aggregators as aggregators_lib
 from fedrobust import attacks as attacks_lib
 from fedrobust import models as models_lib
@@ -487,7 +488,7 @@ class Flag(NamedTuple):
 
 def _core_groups() -> dict[str, str]:
   """{core setting: the comment heading its block in config.CORE}."""
-  tree, lines = _module_ast(config_lib)
+  tree, lines = _module_ast(fedrobust_config)
   node = _assigned(tree, 'CORE')
   out: dict[str, str] = {}
   group = ''
@@ -671,7 +672,7 @@ def render() -> str:
   # Flags.
   lines += ['## Flags', '']
   lines += paragraph('Every flag of `experiments/main.py`: one per core setting '
-            '(`experiments/config.py`), one per method setting (declared '
+            '(`fedrobust/config.py`), one per method setting (declared '
             "in the method's registry entry; a setting of another method "
             'than `--method` must stay at its default), and the runner\'s '
             'own. Flagfiles (`--flagfile`) take the same names.')

@@ -6,7 +6,7 @@ r"""fedrobust experiment runner: the only module that defines flags.
 Flags are built from the settings' declarations (experiments/config.py for
 the core ones, each method's registry entry for its own). A bare
 --method=NAME starts from the method's paper preset, when it has one
-(BARE_METHOD_PRESETS); flags given explicitly win. Presets live in
+(its registry entry's `preset`); flags given explicitly win. Presets live in
 experiments/configs/*.flags (use --flagfile=...). Running the same command
 on the same --workdir resumes; see experiments/train.py.
 """
@@ -23,15 +23,15 @@ from absl import logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments import plugins
+# User components register before the flags' choices are read.
+plugins.load(sys.argv)
 from experiments import config as config_lib
 from experiments import preemption
 from experiments import train
+from fedrobust.methods import METHODS
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
-# The paper setting a bare --method=NAME runs (a flagfile in CONFIGS).
-BARE_METHOD_PRESETS = {'sdfc': 'sdfc_fmnist_paper.flags',
-                       'horus': 'horus_fmnist_paper.flags',
-                       'fedhan': 'fedhan_fmnist_paper.flags'}
 
 
 def define_flags(settings: dict) -> None:
@@ -51,6 +51,9 @@ def define_flags(settings: dict) -> None:
 
 
 define_flags(config_lib.all_settings())
+flags.DEFINE_string('plugins', '', 'Comma-separated Python modules to '
+                    'import first: the rules, attacks and methods they '
+                    'register are taken by name (experiments/plugins.py).')
 flags.DEFINE_boolean('distributed', False, 'Call jax.distributed.initialize() '
                      'first (multi-host TPU/GPU). Start the same command '
                      'on every host with one --workdir that all of them '
@@ -73,7 +76,9 @@ class _QuietLibraries(py_logging.Filter):
 def build_config() -> dict[str, object]:
   """The run config from the parsed flags (plus a bare method's preset)."""
   config = {name: FLAGS[name].value for name in config_lib.all_settings()}
-  preset = BARE_METHOD_PRESETS.get(FLAGS.method)
+  # The paper setting a bare --method=NAME runs (its MethodSpec's preset,
+  # a flagfile in CONFIGS).
+  preset = METHODS[FLAGS.method].preset
   if preset:
     values = config_lib.read_flagfile(os.path.join(CONFIGS, preset))
     for name, value in values.items():

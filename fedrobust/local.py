@@ -29,11 +29,18 @@ LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
 class LocalConfig(NamedTuple):
-  """Static hyperparameters of local training."""
+  """Static hyperparameters of local training.
+
+  `poison` is the run's data poison (attacks.data_poisoning.DataPoison, or
+  None): local training applies it to the batches of malicious clients
+  (`data.is_malicious`), so every method's clients are poisoned the same
+  way without the method knowing of it.
+  """
   batch_size: int
   num_epochs: int
   steps_per_epoch: int   # ceil(N / B) for the padded client size N
   unroll: int = 1        # lax.scan unroll factor over local steps
+  poison: Any = None
 
   @property
   def num_steps(self) -> int:
@@ -142,8 +149,7 @@ def poisoned_batch(data: LocalData, rows: jax.Array,
 def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
                 plan: BatchPlan, key: jax.Array, *,
                 optimizer: optax.GradientTransformation,
-                config: LocalConfig,
-                poison: Any | None = None
+                config: LocalConfig
                 ) -> tuple[Params, dict[str, jax.Array]]:
   """Runs the plan's S steps of `optimizer` on ONE client.
 
@@ -154,13 +160,13 @@ def train_steps(loss_fn: LossFn, params: Params, data: LocalData,
     plan: from make_batch_plan.
     key: PRNG key passed to loss_fn, split per step.
     optimizer: a fresh optimizer state is created from `params`.
-    config: static settings (unroll).
-    poison: optional attacks.data_poisoning.DataPoison, applied to the
-      batches when data.is_malicious.
+    config: static settings (unroll; the data poison applied to the
+      batches when data.is_malicious).
 
   Returns:
     (final params, metrics averaged over the real steps).
   """
+  poison = config.poison
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   opt_state = optimizer.init(params)
   step_keys = jax.random.split(key, config.num_steps)
@@ -262,7 +268,7 @@ def _malicious_phase(grad_fn, params: Params, data: LocalData,
 
 def local_sgd(loss_fn: LossFn, params: Params, data: LocalData,
               key: jax.Array, *, optimizer: optax.GradientTransformation,
-              config: LocalConfig, poison: Any | None = None
+              config: LocalConfig
               ) -> tuple[Params, dict[str, jax.Array]]:
   """A client's local training: a fresh batch plan, then train_steps.
 
@@ -272,4 +278,4 @@ def local_sgd(loss_fn: LossFn, params: Params, data: LocalData,
   plan_key, train_key = jax.random.split(key)
   plan = make_batch_plan(plan_key, data.count, config=config)
   return train_steps(loss_fn, params, data, plan, train_key,
-                     optimizer=optimizer, config=config, poison=poison)
+                     optimizer=optimizer, config=config)

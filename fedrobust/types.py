@@ -146,6 +146,17 @@ class LegacyServerState(NamedTuple):
   pending: AsyncState | tuple = ()
 
 
+# Converters for checkpoints written by older versions: functions like ->
+# ((template, convert), ...). Components with such states register theirs.
+LEGACY_CONVERTERS: list = []
+
+
+def legacy_states(like: Any) -> tuple:
+  """Every registered (template, convert) pair that applies to `like`, a
+  ServerState template, for Checkpointer.restore_latest(legacy=...)."""
+  return sum((tuple(fn(like)) for fn in LEGACY_CONVERTERS), ())
+
+
 def legacy_server_state(like: ServerState):
   """(template, convert) for Checkpointer.restore_latest(legacy=...): a
   checkpoint written before ServerState.attack existed restores into a
@@ -154,6 +165,9 @@ def legacy_server_state(like: ServerState):
     return ()
   return ((LegacyServerState(*like[:5]),
            lambda old: ServerState(*old, attack=())),)
+
+
+LEGACY_CONVERTERS.append(legacy_server_state)
 
 
 class EvalModel(NamedTuple):
@@ -218,6 +232,9 @@ class Method(NamedTuple):
       (full params of cohort 0, info dict of scalars), for ONE newcomer,
       which may use its own data (HiLoRA routes it to a cluster). None:
       the headline global model.
+  describe: optional; describe(method_state, client_groups) -> dict of
+      JSON values for the run's summary (HiLoRA: its clusters, scored
+      against the partition's true groups int[K] or None). Host side.
   """
   name: str
   init: Callable[..., tuple[tuple[Params, ...], PyTree]]
@@ -230,3 +247,4 @@ class Method(NamedTuple):
   client_setup: Callable[..., PyTree] | None = None
   server_setup: Callable[..., PyTree] | None = None
   newcomer: Callable[..., tuple[Params, dict]] | None = None
+  describe: Callable[[PyTree, Any], dict] | None = None

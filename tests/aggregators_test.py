@@ -4,7 +4,9 @@
 on inputs with an absent slot; (3) sign-flip attackers stay out of the
 robust outputs; (4) the client-count and flag checks.
 
-Every rule is compiled once per slot count (C = 7, and C = 9 for the
+The conformance tests run the check functions of fedrobust.testing (the
+checks check_rule runs on a user's rule) on this file's compiled rules.
+Every rule is compiled once per slot count (C = 7, and C = 11 for the
 masked-slot test) and the compiled function is shared by the tests (the CPU
 is slow to compile); it is wrapped in chex.assert_max_traces(n=1), so a
 retrace anywhere fails. C = 7 because Bulyan with f = 1 needs n >= 4f+3.
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedrobust import aggregators
+from fedrobust import testing as rule_checks
 from fedrobust.aggregators import krum as krum_lib
 from fedrobust.errors import SettingError
 
@@ -69,10 +72,12 @@ def unstack(tree):
 
 @functools.lru_cache(maxsize=None)
 def compiled(name, f=F, slots=C, hparams=()):
-  """(Aggregator, jitted aggregate), one compile per (rule, f, C, hparams).
+  """(Aggregator, jitted aggregate, its trace counter), one compile per
+  (rule, f, C, hparams).
 
   The plain def is wrapped in chex.assert_max_traces(n=1) under a name
-  unique to the cache key, so a retrace in any test that shares it fails.
+  unique to the cache key, so a retrace in any test that shares it fails;
+  the counter (fedrobust.testing.count_traces; `.traces`) counts them.
   """
   agg = aggregators.AGGREGATORS[name](
       num_byzantine=f, **{**REQUIRED_HPARAMS.get(name, {}), **dict(hparams)})
@@ -83,7 +88,8 @@ def compiled(name, f=F, slots=C, hparams=()):
         params=jax.tree.map(jnp.asarray, PARAMS), **extras)
 
   aggregate.__name__ = f'aggregate_{name}_f{f}_c{slots}_{hparams}'
-  return agg, jax.jit(chex.assert_max_traces(aggregate, n=1))
+  counted = rule_checks.count_traces(aggregate)
+  return agg, jax.jit(chex.assert_max_traces(counted, n=1)), counted
 
 
 def extras_of_rows(flat):
@@ -100,8 +106,13 @@ def extras_of_rows(flat):
           'losses': jnp.asarray(np.abs(clean[:, 2]) % 2.0, jnp.float32)}
 
 
-def run(name, flat, mask, *, f=F, hparams=(), state=None, key=KEY):
-  agg, fn = compiled(name, f, len(flat), hparams)
+def run(name, flat, mask, *, f=F, hparams=(), state=None, key=None,
+        slots=None):
+  """A fedrobust.testing runner: the extras come from the rows
+  (extras_of_rows), so they travel with them and `slots` is not needed."""
+  del slots
+  agg, fn, _ = compiled(name, f, len(flat), hparams)
+  key = KEY if key is None else key
   if state is None:
     state = agg.init(PARAMS)
   out, state, info = fn(stack(flat), jnp.asarray(mask, bool), state, key,
@@ -123,47 +134,32 @@ def absent_slot_inputs(seed=0, absent=2):
 
 
 class ConformanceTest(parameterized.TestCase):
-  """The same checks for every registered rule."""
+  """The same checks for every registered rule: fedrobust.testing's check
+  functions on this file's compiled rules and inputs."""
+
+  def assert_passed(self, name, result):
+    self.assertTrue(result.passed, f'{name}: {result.name}: {result.detail}')
 
   @parameterized.parameters(*NAMES)
   def test_shapes_dtypes_and_weights(self, name):
     x, mask = absent_slot_inputs()
-    out, _, info = run(name, x, mask)
-    chex.assert_trees_all_equal_shapes_and_dtypes(
-        out, jax.tree.map(jnp.asarray, PARAMS))
-    weights = np.asarray(info['weights'])
-    self.assertEqual(info['weights'].dtype, jnp.float32)
-    self.assertEqual(weights.shape, (C,))
-    self.assertTrue(np.all(np.isfinite(weights)))
-    self.assertTrue(np.all(weights >= 0))
-    self.assertEqual(weights[~mask].tolist(), [0.0])
-    self.assertTrue(np.all(np.isfinite(unstack(out))))
+    self.assert_passed(name, rule_checks.check_shapes(
+        functools.partial(run, name), x, mask, PARAMS))
 
   @parameterized.parameters(*NAMES)
   def test_masked_slots_are_inert(self, name):
-    x = random_updates(1)
-    base, _, base_info = run(name, x, np.ones(C, bool))
-    # Two absent slots in the middle, holding NaN and 1e30.
-    padded = np.insert(x, [1, 5], [[np.nan] * D, [1e30] * D], axis=0)
-    mask = np.insert(np.ones(C, bool), [1, 5], False)
-    out, _, info = run(name, padded, mask)
-    np.testing.assert_allclose(unstack(out), unstack(base), atol=1e-6,
-                               rtol=1e-6)
-    weights = np.asarray(info['weights'])
-    np.testing.assert_array_equal(weights[~mask], 0.0)
-    np.testing.assert_allclose(weights[mask], base_info['weights'],
-                               atol=1e-6)
+    # Four absent slots between and after the real ones, holding NaN, +Inf,
+    # -Inf and 1e30 (rule_checks.MASKED_FILL).
+    self.assert_passed(name, rule_checks.check_masked(
+        functools.partial(run, name), random_updates(1), atol=1e-6,
+        rtol=1e-6))
 
   @parameterized.parameters(*NAMES)
   def test_permuting_clients_changes_nothing(self, name):
     x, mask = absent_slot_inputs(seed=2)
     perm = np.random.default_rng(3).permutation(C)
-    out, _, info = run(name, x, mask)
-    out_p, _, info_p = run(name, x[perm], mask[perm])
-    np.testing.assert_allclose(unstack(out_p), unstack(out), atol=1e-5,
-                               rtol=1e-5)
-    np.testing.assert_allclose(info_p['weights'],
-                               np.asarray(info['weights'])[perm], atol=1e-5)
+    self.assert_passed(name, rule_checks.check_permutation(
+        functools.partial(run, name), x, mask, perm, atol=1e-5, rtol=1e-5))
 
   @parameterized.parameters(*NAMES)
   def test_identical_inputs_come_back(self, name):
@@ -172,45 +168,39 @@ class ConformanceTest(parameterized.TestCase):
                     'design (they look like sybils): the output is zero')
     u = random_updates(4, num=1)
     x, mask = absent_slot_inputs()
-    x[mask] = u
-    out, _, _ = run(name, x, mask)
-    np.testing.assert_allclose(unstack(out), u[0], atol=1e-5, rtol=1e-5)
+    self.assert_passed(name, rule_checks.check_identical(
+        functools.partial(run, name), x, mask, u[0], atol=1e-5, rtol=1e-5))
 
-  @parameterized.product(name=NAMES, bad=('nan', '+inf', '-inf', '1e30'))
+  @parameterized.product(name=NAMES, bad=rule_checks.BAD_VALUES)
   def test_finite_with_one_bad_client(self, name, bad):
     if name in NON_ROBUST:
       self.skipTest('the means have no robustness: one NaN/Inf client makes '
                     'them NaN/Inf, a 1e30 client makes them ~1e30/n')
+    # Half the coordinates of client 4 NaN or +-Inf, or client 4 * 1e30.
     x, mask = absent_slot_inputs(seed=5)
-    if bad == '1e30':
-      x[4] = 1e30 * x[4]
-    else:                                 # half the coordinates poisoned
-      x[4, ::2] = {'nan': np.nan, '+inf': np.inf, '-inf': -np.inf}[bad]
-    out, _, info = run(name, x, mask)
-    self.assertTrue(np.all(np.isfinite(unstack(out))), unstack(out))
-    self.assertTrue(np.all(np.isfinite(info['weights'])))
+    self.assert_passed(name, rule_checks.check_finite(
+        functools.partial(run, name), x, mask, row=4, bad=(bad,)))
 
   @parameterized.parameters(*NAMES)
   def test_jit_matches_eager(self, name):
     x, mask = absent_slot_inputs(seed=6)
-    agg, _ = compiled(name)
-    out_jit, state_jit, info_jit = run(name, x, mask)
-    out, state, info = aggregators.call_aggregator(
-        agg, stack(x), jnp.asarray(mask), agg.init(PARAMS), KEY,
-        coverage=None, params=jax.tree.map(jnp.asarray, PARAMS),
-        **extras_of_rows(x))
-    chex.assert_trees_all_close(out, out_jit, atol=1e-6, rtol=1e-6)
-    chex.assert_trees_all_close(state, state_jit, atol=1e-6, rtol=1e-6)
-    chex.assert_trees_all_close(info, info_jit, atol=1e-6, rtol=1e-6)
+    agg, _, _ = compiled(name)
+
+    def eager(x, mask, **_):
+      return aggregators.call_aggregator(
+          agg, stack(x), jnp.asarray(mask), agg.init(PARAMS), KEY,
+          coverage=None, params=jax.tree.map(jnp.asarray, PARAMS),
+          **extras_of_rows(x))
+    self.assert_passed(name, rule_checks.check_jit(
+        eager, functools.partial(run, name), x, mask, atol=1e-6, rtol=1e-6))
 
   @parameterized.parameters(*NAMES)
   def test_no_retrace_across_rounds(self, name):
-    agg, fn = compiled(name)          # chex.assert_max_traces(n=1) inside
-    state = agg.init(PARAMS)
-    for round_ in range(3):           # new values, mask, key and state
-      x, mask = absent_slot_inputs(seed=10 + round_, absent=round_)
-      _, state, _ = fn(stack(x), jnp.asarray(mask), state,
-                       jax.random.key(round_), extras_of_rows(x))
+    _, _, counted = compiled(name)    # chex.assert_max_traces(n=1) too
+    rounds = [absent_slot_inputs(seed=10 + round_, absent=round_)
+              for round_ in range(3)]  # new values, mask, key and state
+    self.assert_passed(name, rule_checks.check_retrace(
+        functools.partial(run, name), rounds, lambda: counted.traces))
 
 
 # ----------------------------------------------------------------------------

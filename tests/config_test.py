@@ -41,10 +41,13 @@ class SettingsTest(absltest.TestCase):
 
   def test_foreign_setting_is_refused(self):
     config = dict(config_lib.defaults(), method='fedavg', sdfc_lambda=1.0)
-    with self.assertRaisesRegex(ValueError,
-                                '--sdfc_lambda is a setting of '
-                                '--method=sdfc, not --method=fedavg'):
+    with self.assertRaisesRegex(SettingError,
+                                'sdfc_lambda: is a setting of '
+                                'method=sdfc, not method=fedavg') as ctx:
       config_lib.check_foreign_settings(config)
+    self.assertEqual(
+        config_lib.describe_error(ctx.exception, 'fedavg'),
+        '--sdfc_lambda: is a setting of --method=sdfc, not --method=fedavg')
     config_lib.check_foreign_settings(dict(config, sdfc_lambda=5.0))
 
   def test_errors_are_reported_under_flags(self):

@@ -5,6 +5,8 @@ import os
 
 from absl.testing import absltest
 
+from fedrobust.methods import METHODS
+
 from experiments import config as config_lib
 from experiments import main
 
@@ -21,7 +23,9 @@ class PresetTest(absltest.TestCase):
       self.assertIn(values['method'], main.FLAGS['method'].parser.enum_values, name)
 
   def test_bare_method_presets_are_that_method(self):
-    for method, preset in main.BARE_METHOD_PRESETS.items():
+    presets = {m: s.preset for m, s in METHODS.items() if s.preset}
+    self.assertEqual(set(presets), {'sdfc', 'horus', 'fedhan'})
+    for method, preset in presets.items():
       values = config_lib.read_flagfile(os.path.join(main.CONFIGS, preset))
       self.assertEqual(values['method'], method)
 

@@ -10,6 +10,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from fedrobust.errors import SettingError
+
 from fedrobust import attacks
 from fedrobust.data import federated
 from fedrobust.data import partition
@@ -733,9 +735,13 @@ class InDomainAnchorsTest(absltest.TestCase):
     self.assertEmpty(federated.unused_rows(50, 50, seed=3))
 
   def test_anchors_are_disjoint_from_the_clients_data(self):
-    from experiments import train  # pylint: disable=g-import-not-at-top
+    from experiments import config as config_lib  # pylint: disable=g-import-not-at-top
+    from fedrobust.federation import builder as train  # pylint: disable=g-import-not-at-top
     directory = self.create_tempdir().full_path
     _write_idx_dir(directory, num_train=40, num_test=2)
+
+    def as_flags(err):   # as the runner reports it
+      return ValueError(config_lib.describe_error(err, 'rfd_lora'))
     config = self._config(directory, 25)
     anchors = train.anchor_inputs('idx', 0.4, 25, (28, 28, 1), config)
     self.assertEqual(anchors.shape, (10, 28, 28, 1))
@@ -746,14 +752,17 @@ class InDomainAnchorsTest(absltest.TestCase):
     self.assertEqual(len(as_rows(full)), 40)  # every row is distinct
     self.assertEmpty(as_rows(anchors) & as_rows(held))
     self.assertLen(as_rows(anchors), 10)
-    with self.assertRaisesRegex(ValueError, r'--rfd_lora_anchor_dataset=idx '
-                                r'has 15 training examples the clients do '
-                                r'not hold, fewer than the 16'):
+    with self.assertRaises(SettingError) as ctx:
       train.anchor_inputs('idx', 0.64, 25, (28, 28, 1), config)
-    with self.assertRaisesRegex(ValueError, r"clients' own dataset.*hold all "
-                                r'40.*--max_train_examples below 40'):
+    self.assertRegex(str(as_flags(ctx.exception)),
+                     r'--rfd_lora_anchor_dataset: idx has 15 training '
+                     r'examples the clients do not hold, fewer than the 16')
+    with self.assertRaises(SettingError) as ctx:
       train.anchor_inputs('idx', 0.1, 40, (28, 28, 1),
                           self._config(directory, 0))
+    self.assertRegex(str(as_flags(ctx.exception)),
+                     r"clients' own dataset.*hold all 40.*"
+                     r'--max_train_examples below 40')
 
 
 class RegistryTest(absltest.TestCase):

@@ -1,4 +1,4 @@
-"""experiments/fedhan_detection.py: the detector replayed on logged scores
+"""experiments/analysis/fedhan_detection.py: the detector replayed on logged scores
 gives the rule's own exclusions, bans included."""
 
 import itertools
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import fedhan_detection as fd
+from experiments.analysis import fedhan_detection as fd
 from experiments.train import detection_rates
 from fedrobust.aggregators import call_aggregator, get_aggregator
 from fedrobust.engine.round import detection_counts

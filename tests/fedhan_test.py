@@ -9,8 +9,8 @@ import numpy as np
 
 from fedrobust.aggregators import call_aggregator, clustering, get_aggregator
 from fedrobust.aggregators.fldetector import lbfgs_hvp
-from fedrobust.aggregators import fedhan_cache as fc
-from fedrobust.aggregators.fedhan import (SCORE_SETS, recovery_bytes,
+from fedrobust.methods.fedhan import cache as fc
+from fedrobust.methods.fedhan.rule import (SCORE_SETS, recovery_bytes,
                                           safe_step)
 from fedrobust.tree import sum_clients
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedrobust.methods import fedlora
-from fedrobust.methods import hilora_subspace as hs
+from fedrobust.methods.hilora import subspace as hs
 
 
 def _orthonormal(rng, p, r):

@@ -20,9 +20,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments import config as config_lib
-from experiments import hilora_clusters
-from experiments import rfd_lora_teacher
+from experiments.analysis import hilora_clusters
+from experiments.analysis import rfd_lora_teacher
 from experiments import train
+import fedrobust.federation.builder as federation_build
 from fedrobust.checkpoint import (CheckpointError, Checkpointer,
                                   CheckpointSpaceError, state_digest)
 from fedrobust.data import DataNotFoundError
@@ -510,7 +511,7 @@ class EndToEndTest(IdxDataTestCase):
       self.assertBetween(final[key], 0.0, 1.0)
     self.assertLessEqual(final['local_accuracy_p10/personal'],
                          final['local_accuracy/personal'])
-    # The offline analysis (experiments/hilora_clusters.py) redoes the
+    # The offline analysis (experiments/analysis/hilora_clusters.py) redoes the
     # clustering from the checkpointed EMA and lands on the run's own.
     seen = hilora_clusters.analyze(workdir)
     self.assertEqual(seen['round'], 3)
@@ -522,7 +523,7 @@ class EndToEndTest(IdxDataTestCase):
       hilora_clusters.analyze(self.create_tempdir().full_path)
 
   def test_rfd_lora_teacher_rebuilds_the_round(self):
-    """experiments/rfd_lora_teacher.py on a 2-round RFD-LoRA run with
+    """experiments/analysis/rfd_lora_teacher.py on a 2-round RFD-LoRA run with
     heterogeneous ranks and a backdoor: it rebuilds the clients' uploads
     (every client's anchor top share as logged) and the run's student
     (its clean accuracy as logged), and scores the teacher."""
@@ -725,7 +726,7 @@ class EndToEndTest(IdxDataTestCase):
     """FLTrust's server runs the R_l of a typical client (the mean of the
     clients' real step counts), not the padded maximum (issue 17, fix 5)."""
     seen = {}
-    real_steps = train.typical_client_steps
+    real_steps = federation_build.typical_client_steps
 
     def steps_spy(counts, batch_size, epochs):
       seen['counts'] = np.asarray(counts)
@@ -740,8 +741,9 @@ class EndToEndTest(IdxDataTestCase):
                          aggregator='fltrust', validation_fraction=0.1,
                          validation_size=16, partition='quantity_skew',
                          quantity_alpha=0.5, batch_size=16, local_epochs=2)
-    with mock.patch.object(train, 'typical_client_steps', steps_spy), \
-        mock.patch.object(train, 'build_threat', threat_spy):
+    with mock.patch.object(federation_build, 'typical_client_steps',
+                           steps_spy), \
+        mock.patch.object(federation_build, 'build_threat', threat_spy):
       with self.assertRaises(InterruptedError):
         train.run(config)
     counts = seen['counts']
@@ -765,13 +767,14 @@ class EndToEndTest(IdxDataTestCase):
         (dict(attack='badnets'), '--malicious_fraction'),
         (dict(aggregator='fltrust'), '--validation_size'),
         (dict(attack='lie', malicious_fraction=0.25, model_attack='scaling'),
-         '--model_attack=scaling .* needs --attack set to one of'),
+         "--model_attack: 'scaling' .* needs --attack= one of"),
         (dict(attack='fang_trim', malicious_fraction=0.25,
               attacker_knowledge='partial'),
          'partial is implemented for ipm, lie, min_max, min_sum'),
         (dict(aggregator='krum', num_byzantine=2, num_clients=10,
               clients_per_round=0, pre_aggregator='bucketing'),
-         '--pre_aggregator=bucketing hands the rule 5 rows for 10 clients'),
+         "--pre_aggregator: 'bucketing' hands the rule 5 rows for 10 "
+         'clients'),
     ]
     for overrides, pattern in cases:
       with self.assertRaisesRegex(ValueError, pattern):

@@ -205,7 +205,7 @@ class FindingsTest(_Data, parameterized.TestCase):
   def test_8_clear_errors(self):
     for kwargs, pattern in (('{"bogus": 1}', '--aggregator_kwargs.*bogus'),
                             ('{"iters": "3"}', '--aggregator_kwargs iters'),
-                            ('[1, 2]', '--aggregator_kwargs must be a JSON '
+                            ('[1, 2]', '--aggregator_kwargs: must be a JSON '
                              'object')):
       with self.assertRaisesRegex(ValueError, pattern):
         self._run_to(None, 1, aggregator='geometric_median',
@@ -396,8 +396,8 @@ class KillTest(_Data):
 # fdagg needs SDFC's scores; the server-data rules need a server model
 # (their finiteness is tested in aggregators_server_test).
 RULES = sorted(name for name in aggregators.AGGREGATORS
-               if name not in aggregators.SERVER_DATA_RULES + ('rfa',
-                                                               'fdagg'))
+               if 'server_data' not in aggregators.needs_of(name).provides
+               and name not in ('rfa', 'fdagg'))
 BAD = ('nan', 'inf', '1e38')
 NON_ROBUST = ('mean', 'weighted_mean', 'twafl', 'sasgd',
               'federaser', 'crab')
@@ -411,9 +411,9 @@ def bad_client_round(rule):
   model = models.get_model('mlp', num_classes=3, input_shape=(2, 2, 1),
                            hidden=(4,))
   local = engine.LocalConfig(batch_size=4, num_epochs=1, steps_per_epoch=1)
-  kwargs = ({'num_clients': C} if rule in aggregators.SLOT_HISTORY_RULES +
-            aggregators.CLIENT_ID_RULES else {})
-  if rule in aggregators.UNLEARNING_RULES:
+  needs = aggregators.needs_of(rule)
+  kwargs = {'num_clients': C} if needs.per_client else {}
+  if 'forget' in needs.provides:
     kwargs.update(forget=np.arange(C) == 2, unlearn_round=2)
   if rule == 'deepsight':          # runs the models on a few random inputs
     kwargs.update(apply_fn=model.apply, input_shape=model.input_shape,
@@ -473,7 +473,7 @@ class LegacyLayoutTest(absltest.TestCase):
     (2026-12-01) restores, inside a server state, into the default
     layout (score None); a 'clients' state, which needs the scores, has
     no legacy layout to fall back to."""
-    from fedrobust.aggregators import fedhan as fedhan_lib
+    from fedrobust.methods.fedhan import rule as fedhan_lib
     from fedrobust.aggregators import get_aggregator
     from fedrobust.checkpoint import Checkpointer
     from fedrobust.types import ServerState

@@ -107,7 +107,7 @@ class RFDLoRATest(absltest.TestCase):
   def test_client_model_rebuilds_the_uploads(self):
     """From the student a client received and the adapter it returned,
     client_model gives the client's upload again: the logits the server
-    distilled (experiments/rfd_lora_teacher.py rebuilds teachers so)."""
+    distilled (experiments/analysis/rfd_lora_teacher.py rebuilds teachers so)."""
     transform, method, _, state, data, anchors = start()
     specs = cohort_specs(build()[2][0])
     np.testing.assert_array_equal(specs, RANKS)

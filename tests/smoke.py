@@ -289,7 +289,11 @@ def shrink_fedhan_detection(argv: list[str], cwd: str) -> list[str]:
 SHRINK: dict[str, Callable[[list[str], str], list[str]]] = {
     'experiments/main.py': shrink_main,
     'experiments/sweep.py': shrink_sweep,
-    'experiments/fedhan_detection.py': shrink_fedhan_detection,
+    'experiments/analysis/fedhan_detection.py': shrink_fedhan_detection,
+    'examples/quickstart.py': lambda argv, cwd: set_flags(
+        argv, {'rounds': '1', 'examples': str(SMALL_TRAIN)}),
+    'examples/custom_rule.py': lambda argv, cwd: set_flags(
+        argv, {'rounds': '1', 'examples': str(SMALL_TRAIN)}),
     'benchmarks/round_throughput.py': shrink_round_throughput,
     'benchmarks/scale_model.py': lambda argv, cwd: argv,
     'benchmarks/aggregation_cost.py': lambda argv, cwd: set_flags(

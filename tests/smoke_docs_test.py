@@ -72,7 +72,7 @@ class TestExtraction:
         '--flagfile=experiments/configs/fedavg_fmnist.flags',
         'python experiments/main.py '
         '--flagfile=experiments/configs/fedhan_fmnist_quick.flags',
-        'python experiments/fedhan_detection.py '
+        'python experiments/analysis/fedhan_detection.py '
         '--workdir=runs/fedhan_fmnist_quick'))
     skips = [skip for _, skip in smoke.block_segments(block)]
     assert skips == [False, False, True]

@@ -1,8 +1,9 @@
-"""Tests for experiments/threat.py: how the runner wires attacks and rules.
+"""Tests for fedrobust/threats.py: how a run's settings wire attacks and rules.
 
 No training: build_threat is called on a tiny MLP federation and its output
 is inspected (the aggregator factory is spied on where the wiring is in
-the settings it receives).
+the settings it receives). Errors are checked as the runner reports them,
+under the flag that sets the named argument.
 """
 
 from unittest import mock
@@ -13,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import config as config_lib
-from experiments import threat as threat_lib
-from experiments import train
+from fedrobust import threats as threat_lib
+from fedrobust.federation import builder
 from fedrobust import aggregators
 from fedrobust.attacks import data_poisoning as dp
+from fedrobust.errors import SettingError
 
 SHAPE = (28, 28, 1)
 
@@ -34,16 +36,21 @@ def make_config(**overrides):
 
 def build(config, client_steps=0, validation_size=40):
   rng = np.random.default_rng(0)
-  cohorts, _ = train.build_cohorts(config, num_classes=10, input_shape=SHAPE,
+  cohorts, _ = builder.build_cohorts(config, num_classes=10, input_shape=SHAPE,
                                    conv_impl='xla', compute_dtype='float32')
   test_x = rng.integers(0, 256, (30, *SHAPE), np.uint8)
   test_y = rng.integers(0, 10, 30).astype(np.int32)
   validation = (rng.integers(0, 256, (validation_size, *SHAPE), np.uint8),
                 rng.integers(0, 10, validation_size).astype(np.int32))
-  return threat_lib.build_threat(
-      config, num_classes=10, input_shape=SHAPE, test_x=test_x,
-      test_y=test_y, validation=validation, cohorts=cohorts,
-      group_sizes=(config['clients_per_round'],), client_steps=client_steps)
+  try:
+    return threat_lib.build_threat(
+        config, num_classes=10, input_shape=SHAPE, test_x=test_x,
+        test_y=test_y, validation=validation, cohorts=cohorts,
+        group_sizes=(config['clients_per_round'],),
+        client_steps=client_steps)
+  except SettingError as err:
+    raise ValueError(config_lib.describe_error(err, config['method'])
+                     ) from err
 
 
 class ToldRecoveryTest(absltest.TestCase):
@@ -171,9 +178,9 @@ class NeurotoxinMaskTest(absltest.TestCase):
   def test_refusals_name_the_flag(self):
     for overrides, pattern in (
         (dict(attack='lie', malicious_fraction=0.25, neurotoxin_mask=0.1),
-         '--neurotoxin_mask=0.1 masks .* needs --attack'),
+         '--neurotoxin_mask: 0.1 masks .* needs --attack='),
         (dict(attack='badnets', malicious_fraction=0.25,
-              neurotoxin_mask=1.5), r'--neurotoxin_mask must be in \[0, 1\)'),
+              neurotoxin_mask=1.5), r'--neurotoxin_mask: must be in \[0, 1\)'),
         (dict(attack='neurotoxin', malicious_fraction=0.25,
               neurotoxin_mask=0.1), 'masks its gradients already')):
       with self.assertRaisesRegex(ValueError, pattern):

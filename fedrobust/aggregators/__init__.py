@@ -11,7 +11,6 @@ math, its info keys and the guarantees it cannot give.
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from fedrobust.aggregators import auror as auror_lib
@@ -20,79 +19,132 @@ from fedrobust.aggregators import coordinatewise
 from fedrobust.aggregators import crab as crab_lib
 from fedrobust.aggregators import dnc as dnc_lib
 from fedrobust.aggregators import federaser as federaser_lib
-from fedrobust.aggregators import fedhan as fedhan_lib
 from fedrobust.aggregators import fldetector_async as fldetector_async_lib
 from fedrobust.aggregators import horus as horus_lib
 from fedrobust.aggregators import krum as krum_lib
 from fedrobust.aggregators import mean as mean_lib
+from fedrobust.aggregators import needs as needs_lib
 from fedrobust.aggregators import robust_mean
+from fedrobust.aggregators import server_aided
 from fedrobust.aggregators import subset as subset_lib
 from fedrobust.aggregators.base import (EXTRAS, Aggregator, call_aggregator,
                                        check_provided, stateless_init)
-from fedrobust.aggregators.mean import Requirement
+from fedrobust.aggregators.needs import Needs, RuleEntry, RunFacts
 from fedrobust.aggregators.pre import (PRE_AGGREGATORS, PreAggregator,
                                        compose, get_pre_aggregator)
 from fedrobust.errors import SettingError
 
-AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
-    'weighted_mean': mean_lib.weighted_mean,
-    'fdagg': mean_lib.fdagg,
-    'mean': mean_lib.mean,
-    'twafl': mean_lib.twafl,
-    'sasgd': mean_lib.sasgd,
-    'median': coordinatewise.median,
-    'trimmed_mean': coordinatewise.trimmed_mean,
-    'krum': krum_lib.krum,
-    'multi_krum': krum_lib.multi_krum,
-    'bulyan': krum_lib.bulyan,
-    'geometric_median': robust_mean.geometric_median,
-    'rfa': robust_mean.geometric_median,
-    'centered_clipping': robust_mean.centered_clipping,
-    'norm_bounding': robust_mean.norm_bounding,
-    'dnc': dnc_lib.dnc,
-    'horus': horus_lib.horus,
-    'fedhan': fedhan_lib.fedhan,
-    'federaser': federaser_lib.federaser,
-    'crab': crab_lib.crab,
-    'fldetector_async': fldetector_async_lib.fldetector_async,
-    'meamed': clustered.meamed,
-    'simple_clustering': clustered.simple_clustering,
-    'clipped_clustering': clustered.clipped_clustering,
-    'signguard': clustered.signguard,
-    'flame': clustered.flame,
-    'auror': auror_lib.auror,
-    'mda': subset_lib.mda,
-    'smea': subset_lib.smea,
-    'monna': subset_lib.monna,
-    'caf': subset_lib.caf,
+_N = needs_lib.Needs
+_WHOLE = dict(whole_model=True, tracks_model=True)
+_BY_ID = dict(tracks_model=True, per_client='id')
+
+# name -> RuleEntry(factory, Needs): each rule with what it requires of the
+# run and the run facts its factory takes (fedrobust/aggregators/needs.py).
+RULES: dict[str, RuleEntry] = {
+    'weighted_mean': RuleEntry(mean_lib.weighted_mean),
+    'fdagg': RuleEntry(mean_lib.fdagg),
+    'mean': RuleEntry(mean_lib.mean),
+    'twafl': RuleEntry(mean_lib.twafl),
+    'sasgd': RuleEntry(mean_lib.sasgd),
+    'median': RuleEntry(coordinatewise.median),
+    'trimmed_mean': RuleEntry(coordinatewise.trimmed_mean),
+    'krum': RuleEntry(krum_lib.krum),
+    'multi_krum': RuleEntry(krum_lib.multi_krum),
+    'bulyan': RuleEntry(krum_lib.bulyan),
+    'geometric_median': RuleEntry(robust_mean.geometric_median),
+    'rfa': RuleEntry(robust_mean.geometric_median),
+    'centered_clipping': RuleEntry(robust_mean.centered_clipping),
+    'norm_bounding': RuleEntry(robust_mean.norm_bounding),
+    'dnc': RuleEntry(dnc_lib.dnc),
+    'horus': RuleEntry(horus_lib.horus),
+    'federaser': RuleEntry(federaser_lib.federaser, _N(
+        **_BY_ID, provides=('forget',))),
+    'crab': RuleEntry(crab_lib.crab, _N(**_BY_ID, provides=('forget',))),
+    'fldetector_async': RuleEntry(fldetector_async_lib.fldetector_async,
+                                  _N(**_BY_ID)),
+    'meamed': RuleEntry(clustered.meamed),
+    'simple_clustering': RuleEntry(clustered.simple_clustering),
+    'clipped_clustering': RuleEntry(clustered.clipped_clustering),
+    'signguard': RuleEntry(clustered.signguard),
+    'flame': RuleEntry(clustered.flame),
+    'auror': RuleEntry(auror_lib.auror, _N(
+        provides=('output_path',), derive=needs_lib.gradient_scale)),
+    'mda': RuleEntry(subset_lib.mda),
+    'smea': RuleEntry(subset_lib.smea),
+    'monna': RuleEntry(subset_lib.monna),
+    'caf': RuleEntry(subset_lib.caf),
+    # Rules that read the server's clean data, the model or its head.
+    'fltrust': RuleEntry(server_aided.fltrust, _N(
+        **_WHOLE, provides=('server_data', 'apply_fn'),
+        derive=needs_lib.server_training)),
+    'foolsgold': RuleEntry(server_aided.foolsgold, _N(
+        full_participation=True, per_client='slot',
+        provides=('output_path',))),
+    'foolsgold_ids': RuleEntry(server_aided.SERVER_AIDED['foolsgold_ids'],
+                               _N(per_client='id', provides=('output_path',))),
+    'rlr': RuleEntry(server_aided.rlr),
+    'crfl': RuleEntry(server_aided.crfl, _N(**_WHOLE)),
+    'fldetector': RuleEntry(server_aided.fldetector, _N(
+        tracks_model=True, full_participation=True, per_client='id')),
+    'lasa': RuleEntry(server_aided.lasa),
+    'sageflow': RuleEntry(server_aided.sageflow, _N(
+        **_WHOLE, provides=('server_data', 'apply_fn'))),
+    'finetune': RuleEntry(server_aided.finetune, _N(
+        **_WHOLE, provides=('server_data', 'apply_fn'),
+        derive=needs_lib.server_training)),
+    'deepsight': RuleEntry(server_aided.INSPECTION['deepsight'], _N(
+        whole_model=True, provides=('apply_fn', 'input_shape',
+                                    'output_path'))),
+    'flare': RuleEntry(server_aided.INSPECTION['flare'], _N(
+        whole_model=True,
+        provides=('server_data', 'apply_fn', 'output_path'))),
 }
 
 # Minimum clients per round, per rule: (inequality, f -> min n).
-_REQUIREMENTS: dict[str, Requirement] = {
-    **mean_lib.REQUIREMENTS,
-    **coordinatewise.REQUIREMENTS,
-    **krum_lib.REQUIREMENTS,
-    **robust_mean.REQUIREMENTS,
-    **dnc_lib.REQUIREMENTS,
-    **clustered.REQUIREMENTS,
-    **subset_lib.REQUIREMENTS,
-}
+for _module in (mean_lib, coordinatewise, krum_lib, robust_mean, dnc_lib,
+                clustered, subset_lib):
+  for _name, _requirement in _module.REQUIREMENTS.items():
+    RULES[_name] = RULES[_name]._replace(
+        needs=RULES[_name].needs._replace(min_clients=_requirement))
 
-# ---- Server-aided rules (merged from another module) -----------------------
-# Only a missing server_aided module is tolerated; an error inside it raises.
-# It may export REQUIREMENTS in the same form; rules without one need n >= 1.
-try:
-  _server_aided = importlib.import_module(
-      'fedrobust.aggregators.server_aided')
-except ModuleNotFoundError as e:
-  if e.name != 'fedrobust.aggregators.server_aided':
-    raise
-  _server_aided = None
+# name -> factory: the factories of RULES (kept in step by register_rule).
+AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
+    name: entry.factory for name, entry in RULES.items()}
 SERVER_AIDED: dict[str, Callable[..., Aggregator]] = dict(
-    getattr(_server_aided, 'SERVER_AIDED', {}))
-AGGREGATORS.update(SERVER_AIDED)
-_REQUIREMENTS.update(getattr(_server_aided, 'REQUIREMENTS', {}))
-# ---- end of server-aided rules ---------------------------------------------
+    server_aided.SERVER_AIDED)
+
+
+def register_rule(name: str, factory: Callable[..., Aggregator], *,
+                  needs: Needs = Needs(), replace: bool = False) -> None:
+  """Adds a rule to the registry, so that runs and sweeps take it by name.
+
+  Args:
+    name: the registry key (the `aggregator` setting's value).
+    factory: keyword-only factory returning an Aggregator; it takes
+      `num_byzantine` and whatever `needs.provides` lists.
+    needs: what the rule requires of the run (fedrobust.aggregators.needs).
+    replace: allow replacing an existing entry of that name.
+
+  Raises:
+    ValueError: the name is taken (and not `replace`), or not an identifier.
+  """
+  if not name.isidentifier():
+    raise ValueError(f'rule name {name!r} must be an identifier')
+  if name in RULES and not replace:
+    raise ValueError(f'rule {name!r} is registered already; pass '
+                     'replace=True to replace it')
+  for what in needs.provides:
+    if what not in needs_lib.PROVIDED:
+      raise ValueError(f'rule {name!r}: provides={what!r}; expected names '
+                       f'from {needs_lib.PROVIDED}')
+  RULES[name] = RuleEntry(factory, needs)
+  AGGREGATORS[name] = factory
+
+
+def needs_of(name: str) -> Needs:
+  """The declared needs of rule `name`."""
+  _check_known(name)
+  return RULES[name].needs
 
 
 def _check_known(name: str) -> None:
@@ -133,48 +185,12 @@ def check_num_clients(name: str, n: int, f: int) -> None:
   """
   _check_known(name)
   mean_lib.check_num_byzantine(name, f)
-  requirement = _REQUIREMENTS.get(name, ('n >= 1', lambda f: 1))
-  mean_lib.require_clients(name, n, f, requirement)
+  mean_lib.require_clients(name, n, f, RULES[name].needs.min_clients)
 
 
-__all__ = ['AGGREGATORS', 'Aggregator', 'EXTRAS', 'PRE_AGGREGATORS',
-           'PreAggregator', 'SERVER_AIDED', 'call_aggregator',
-           'check_num_clients', 'check_provided', 'compose',
-           'get_aggregator', 'get_pre_aggregator', 'stateless_init']
+__all__ = ['AGGREGATORS', 'Aggregator', 'EXTRAS', 'Needs', 'PRE_AGGREGATORS',
+           'PreAggregator', 'RULES', 'RuleEntry', 'RunFacts', 'SERVER_AIDED',
+           'call_aggregator', 'check_num_clients', 'check_provided',
+           'compose', 'get_aggregator', 'get_pre_aggregator', 'needs_of',
+           'register_rule', 'stateless_init']
 
-
-# Rules that read the server's clean data (factory args server_data, apply_fn).
-SERVER_DATA_RULES = ('fltrust', 'sageflow', 'finetune', 'flare')
-# Rules that run the clients' full models (params + update) through the
-# model's apply: one cohort and the identity transform (factory args
-# apply_fn, output_path; deepsight also input_shape).
-MODEL_EVAL_RULES = ('deepsight', 'flare')
-# Rules that read the output layer (factory arg output_path, the model's
-# head).
-HEAD_RULES = ('foolsgold', 'foolsgold_ids', 'auror', 'deepsight', 'flare')
-# Rules that read the full global model's values (server lr 1): they need
-# one cohort and the identity transform.
-GLOBAL_MODEL_RULES = ('fltrust', 'crfl', 'sageflow', 'finetune')
-# Rules that track the global model in their state, assuming the server
-# applies params + update with server lr 1. FLDetector uses only the
-# model's changes (w_t - w_{t-1}), so it runs on any group of clients.
-MODEL_TRACKING_RULES = GLOBAL_MODEL_RULES + ('fldetector', 'fedhan',
-                                             'federaser', 'crab',
-                                             'fldetector_async')
-# Rules whose per-client history assumes consecutive rounds: every client
-# every round, no client delays.
-FULL_PARTICIPATION_RULES = ('foolsgold', 'fldetector')
-# Per-client state indexed by slot: one cohort, the same slot order, and
-# num_clients=C.
-SLOT_HISTORY_RULES = ('foolsgold',)
-# Per-client state indexed by client id (the `ids` extra, num_clients=K):
-# any group of clients, e.g. the shared layers of several cohorts.
-CLIENT_ID_RULES = ('fldetector', 'fedhan', 'foolsgold_ids', 'federaser',
-                   'crab', 'fldetector_async')
-# Unlearning baselines: told whom to forget (factory arg `forget`, bool[K]:
-# the run's attackers, i.e. they presume perfect detection).
-UNLEARNING_RULES = ('federaser', 'crab')
-# Rules that may be told, with unlearn_round > 0 (FedHAN's recovery in the
-# told mode of the recovery experiments); they detect by themselves
-# otherwise.
-TOLD_RULES = ('fedhan',)

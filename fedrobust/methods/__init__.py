@@ -44,6 +44,22 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+def register_method(name: str, spec: MethodSpec, *,
+                    replace: bool = False) -> None:
+  """Adds a method to the registry, so that runs and sweeps take it by
+  name; its declared settings become config keys `<name>_<setting>`.
+
+  Raises:
+    ValueError: the name is taken (and not `replace`), or not an identifier.
+  """
+  if not name.isidentifier():
+    raise ValueError(f'method name {name!r} must be an identifier')
+  if name in METHODS and not replace:
+    raise ValueError(f'method {name!r} is registered already; pass '
+                     'replace=True to replace it')
+  METHODS[name] = spec
+
+
 def get_method_spec(name: str) -> MethodSpec:
   """METHODS[name]; SettingError naming `method` for unknown names."""
   if name not in METHODS:
@@ -66,7 +82,7 @@ def get_method(name: str, **kwargs) -> Method:
   if core.get('aggregator') is None and spec.uses_aggregator:
     rule = spec.default_aggregator(settings)
     extra = dict(spec.aggregator_defaults(settings, rule))
-    if rule in aggregators.CLIENT_ID_RULES:   # one row per client id
+    if aggregators.needs_of(rule).per_client == 'id':   # a row per id
       extra['num_clients'] = core.get('num_clients') or 1 + max(
           m for c in core['cohorts'] for m in c.members)
     core['aggregator'] = aggregators.get_aggregator(rule, num_byzantine=0,
@@ -75,6 +91,6 @@ def get_method(name: str, **kwargs) -> Method:
 
 
 __all__ = ['METHODS', 'SERVER_DATA', 'Method', 'MethodSpec', 'fedavg', 'fedit',
-           'fedhan', 'get_method', 'get_method_spec', 'hilora', 'horus',
+           'fedhan', 'get_method', 'get_method_spec', 'register_method', 'hilora', 'horus',
            'rfd_lora',
            'sdfc']

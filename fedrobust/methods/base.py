@@ -6,7 +6,7 @@ needs to build the method without knowing it: its settings, the server-side
 data it reads, and its default aggregator. Every method factory takes the
 same core keywords
 
-  build(*, cohorts, local, optimizer, server_lr, aggregator, poison,
+  build(*, cohorts, local, optimizer, server_lr, aggregator,
         num_clients, **settings) -> Method
 
 plus its declared settings by their `kwarg`.
@@ -58,6 +58,11 @@ class MethodSpec(NamedTuple):
   uses_aggregator: False for a method whose server combines something
     other than parameter updates (RFD-LoRA's logits): it is built with no
     aggregator and refuses --aggregator.
+  preset: the command line's paper preset for a bare --method=NAME (a
+    flagfile name in experiments/configs), '' for none.
+  lora_communication: on a LoRA cohort, the run's summary reports the
+    per-round bytes a client sends and receives
+    (fedlora.communication_bytes, which knows the method's message).
   """
   build: Callable[..., Any]
   summary: str
@@ -68,6 +73,8 @@ class MethodSpec(NamedTuple):
   aggregator_defaults: Callable[[dict, str], dict] = lambda s, a: {}
   cohorts: bool = True
   uses_aggregator: bool = True
+  lora_communication: bool = False
+  preset: str = ''
 
 
 def server_step(params: Params, update: Params, server_lr: float) -> Params:
@@ -100,7 +107,7 @@ def extras_of(arrivals: Arrivals, **more) -> dict[str, Any]:
 
 def transformed_sgd_update(cohort: Cohort, *, local: LocalConfig,
                            optimizer: optax.GradientTransformation,
-                           proximal_mu: float = 0.0, poison=None):
+                           proximal_mu: float = 0.0):
   """client_update body for ONE client of `cohort` running local SGD on the
   cohort transform's trainable tree.
 
@@ -108,7 +115,8 @@ def transformed_sgd_update(cohort: Cohort, *, local: LocalConfig,
   (LoRA rank / width ratio, or () for none), trains trainable * coverage
   for the plan's S steps (FedProx adds mu/2 ||v - w||^2), and returns the
   delta masked to its coverage, the coverage, and its example count as
-  weight. `poison` poisons the batches of malicious clients.
+  weight. Local training poisons the batches of malicious clients with
+  `local.poison`.
 
   Returns:
     update(broadcast, spec, data, key) -> ClientOutput (client_state ()).
@@ -139,7 +147,7 @@ def transformed_sgd_update(cohort: Cohort, *, local: LocalConfig,
       return loss, aux
 
     new, metrics = local_sgd(loss_fn, start, data, key, optimizer=optimizer,
-                             config=local, poison=poison)
+                             config=local)
     return ClientOutput(delta=masked(tree_sub(new, start), cov),
                         weight=data.count.astype(jnp.float32),
                         client_state=(), metrics=metrics, coverage=cov)

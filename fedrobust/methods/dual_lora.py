@@ -135,7 +135,7 @@ class TwoLevelState(NamedTuple):
 
 def pf2lora(*, cohorts, local: LocalConfig,
             optimizer: optax.GradientTransformation, aggregator=None,
-            server_lr: float = 1.0, poison=None, num_clients: int = 0,
+            server_lr: float = 1.0, num_clients: int = 0,
             client_rank: int = 2, lower_lr: float = 0.05,
             hypergradient: str = 'first_order') -> Method:
   """PF2LoRA (module docstring).
@@ -215,7 +215,7 @@ def pf2lora(*, cohorts, local: LocalConfig,
               + jax.lax.stop_gradient(loss)), aux
 
     (x, y), metrics = local_sgd(surrogate, (x0, own), data, key,
-                                optimizer=tx, config=local, poison=poison)
+                                optimizer=tx, config=local)
     return ClientOutput(delta=tree_sub(x, x0),
                         weight=data.count.astype(jnp.float32),
                         client_state=y, metrics=metrics)
@@ -267,7 +267,7 @@ def fuse(w: jax.Array, personal: Params, shared: Params) -> Params:
 
 def fdlora(*, cohorts, local: LocalConfig,
            optimizer: optax.GradientTransformation, aggregator=None,
-           server_lr: float = 1.0, poison=None, num_clients: int = 0,
+           server_lr: float = 1.0, num_clients: int = 0,
            sync_every: int = 5, outer_momentum: float = 0.5,
            fusion_examples: int = 16, fusion_points: int = 7,
            fusion_bound: float = 1.5, fusion_l1: float = 0.05,
@@ -359,7 +359,7 @@ def fdlora(*, cohorts, local: LocalConfig,
     trained, metrics = local_sgd(loss_of(base), start,
                                  data._replace(count=data.count - held),
                                  train_key, optimizer=optimizer,
-                                 config=local, poison=poison)
+                                 config=local)
     sync = stage1 | ((sync_every > 0)
                      & (round_number % max(sync_every, 1) == 0))
     personal = jax.tree.map(lambda t, p: jnp.where(sync, t, p), trained,

@@ -69,14 +69,14 @@ def _top(params, paths):
 
 def fedala(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
            optimizer: optax.GradientTransformation, aggregator: Aggregator,
-           server_lr: float = 1.0, poison=None, num_clients: int = 0,
+           server_lr: float = 1.0, num_clients: int = 0,
            share: str | tuple = 'head', sample_percent: float = 80.0,
            layers: int = 1, eta: float = 1.0, first_epochs: int = 5
            ) -> Method:
   """FedALA over `cohorts` (identity transform).
 
   Args:
-    cohorts, local, optimizer, aggregator, server_lr, poison, num_clients,
+    cohorts, local, optimizer, aggregator, server_lr, num_clients,
       share: as for FedAvg.
     sample_percent: s, the share of local data W is learned on.
     layers: p, how many top layers are mixed (1: the classifier).
@@ -167,8 +167,7 @@ def fedala(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     # mix is the global model whatever W is.
     start = mix(global_p, state.local, weights, paths)
     new, metrics = local_sgd(loss, start, data, train_key,
-                             optimizer=optimizer, config=local,
-                             poison=poison)
+                             optimizer=optimizer, config=local)
     del w_key
     return ClientOutput(delta=tree_sub(new, global_p),
                         weight=data.count.astype(jnp.float32),

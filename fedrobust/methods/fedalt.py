@@ -85,7 +85,7 @@ def mean_adapter(adapters: Params, seen: jax.Array) -> Params:
 
 def fedalt(*, cohorts, local: LocalConfig,
            optimizer: optax.GradientTransformation, aggregator=None,
-           server_lr: float = 1.0, poison=None,
+           server_lr: float = 1.0,
            num_clients: int = 0) -> Method:
   """FedALT (module docstring). It aggregates nothing through an
   aggregator (the server only forms the rest-of-the-world means)."""
@@ -152,8 +152,7 @@ def fedalt(*, cohorts, local: LocalConfig,
     def apply(t, x, *, train=False, key=None):
       return forward(base, t, row, x, train=train, key=key)
     new, metrics = local_sgd(classification_loss(apply), own, data, key,
-                             optimizer=optimizer, config=local,
-                             poison=poison)
+                             optimizer=optimizer, config=local)
     return ClientOutput(delta=tree_sub(new, own),
                         weight=data.count.astype(jnp.float32),
                         client_state=(), metrics=metrics)

@@ -61,7 +61,7 @@ def parse_share(share: str | tuple) -> tuple[str, ...]:
 
 def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
            optimizer: optax.GradientTransformation, aggregator: Aggregator,
-           server_lr: float = 1.0, poison=None, num_clients: int = 0,
+           server_lr: float = 1.0, num_clients: int = 0,
            mu: float = 0.0, share: str | tuple = 'head',
            warmup_epochs: int = 0) -> Method:
   """FedAvg (mu == 0) or FedProx (mu > 0).
@@ -73,7 +73,6 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     aggregator: the server rule (aggregators.AGGREGATORS; FedAvg's is
       weighted_mean); it gets weights, ids, coverage and staleness.
     server_lr: eta, the server step on the aggregated update.
-    poison: optional data poison for malicious clients.
     num_clients: K (unused; uniform factory interface).
     mu: FedProx's proximal weight; 0 gives FedAvg.
     share: roles aggregated across cohorts ('head', 'first', 'none').
@@ -102,14 +101,16 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
   share = parse_share(share)
   aggregation = cohort_aggregation(aggregator, cohorts, share)
   updates = [transformed_sgd_update(c, local=local, optimizer=optimizer,
-                                    proximal_mu=mu, poison=poison)
+                                    proximal_mu=mu)
              for c in cohorts]
   specs = [jnp.asarray(c.specs, jnp.float32)
            if c.transform.spec_name and len(c.specs) else None
            for c in cohorts]
   # A client's row in its cohort's backbone stack.
   positions = member_positions(cohorts)
-  warmup = local._replace(num_epochs=warmup_epochs) if private else None
+  # The warm-up trains on clean data.
+  warmup = (local._replace(num_epochs=warmup_epochs, poison=None)
+            if private else None)
 
   def init(params, num_clients, key):
     del num_clients
@@ -152,7 +153,7 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     full = cohorts[j].transform.merge(base, trainable, None)
     loss = classification_loss(cohorts[j].model.apply)
     trained, _ = local_sgd(loss, full, data, key, optimizer=optimizer,
-                           config=warmup, poison=None)
+                           config=warmup)
     return trained
 
   def server_setup(state, results):
@@ -193,6 +194,7 @@ def fedavg(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
 
 FEDAVG = MethodSpec(
     build=fedavg,
+    lora_communication=True,
     summary='FedAvg: local SGD, the weighted mean of the updates.',
     settings=(SHARE, WARMUP))
 

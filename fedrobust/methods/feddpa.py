@@ -71,7 +71,7 @@ def similarity_weight(query: jax.Array, anchors: jax.Array,
 
 def feddpa(name: str, sequential: bool, *, cohorts, local: LocalConfig,
            optimizer: optax.GradientTransformation, aggregator=None,
-           server_lr: float = 1.0, poison=None, num_clients: int = 0,
+           server_lr: float = 1.0, num_clients: int = 0,
            local_weight: float = 0.5, global_rounds: int = 10,
            anchors: int = 5) -> Method:
   """FedDPA-F (sequential=True) or FedDPA-T (module docstring).
@@ -123,7 +123,7 @@ def feddpa(name: str, sequential: bool, *, cohorts, local: LocalConfig,
           lambda t, x, *, train=False, key=None: model.apply(
               loss_of(t), x, train=train, key=key))(t, x, y, mask, k)
     return local_sgd(apply_loss, start, data, key, optimizer=optimizer,
-                     config=local, poison=poison)
+                     config=local)
 
   def client_update(j, broadcast, own, data, key, server_data):
     del j, server_data

@@ -176,7 +176,7 @@ class ProductState(NamedTuple):
 
 def _product_method(name: str, *, restack: bool, cohorts, local: LocalConfig,
                     optimizer, aggregator, server_lr: float = 1.0,
-                    poison=None, num_clients: int = 0) -> Method:
+                    num_clients: int = 0) -> Method:
   """FLoRA (restack=True) or FlexLoRA (False) on one LoRA cohort."""
   del num_clients
   _check_lora(name, cohorts, single=True)
@@ -185,8 +185,7 @@ def _product_method(name: str, *, restack: bool, cohorts, local: LocalConfig,
   scale = transform.factor_scale
   specs = (jnp.asarray(cohort.specs, jnp.float32)
            if transform.spec_name and len(cohort.specs) else None)
-  update = transformed_sgd_update(cohort, local=local, optimizer=optimizer,
-                                  poison=poison)
+  update = transformed_sgd_update(cohort, local=local, optimizer=optimizer)
   aggregation = cohort_aggregation(aggregator, cohorts, ())
 
   def init(params, num_clients, key):
@@ -400,27 +399,32 @@ def communication_bytes(method: str, modules: dict[str, tuple[int, int]], *,
 
 FEDIT = MethodSpec(
     build=fedit,
+    lora_communication=True,
     summary='FedIT: FedAvg of the LoRA factors A and B (weighted mean).',
     settings=(SHARE,))
 
 FFA_LORA = MethodSpec(
     build=ffa_lora,
+    lora_communication=True,
     summary='FFA-LoRA: A frozen at its initialisation, only B trained and '
     'averaged.',
     settings=(SHARE,))
 
 FLORA = MethodSpec(
     build=flora,
+    lora_communication=True,
     summary='FLoRA: the exact sum of the clients\' LoRA products merged into '
     'the base each round; fresh adapters at every client rank.')
 
 FLEXLORA = MethodSpec(
     build=flexlora,
+    lora_communication=True,
     summary='FlexLoRA: product-space mean, truncated SVD back to each '
     'client\'s rank.')
 
 LORA_FAIR = MethodSpec(
     build=lora_fair,
+    lora_communication=True,
     summary='LoRA-FAIR: FedIT plus a server residual on B matching the ideal '
     'product (cosine + regulariser).',
     settings=(Setting('lambda', 0.01, 'Residual regulariser lambda (Eq. 8).',

@@ -55,3 +55,6 @@ horus, HORUS = fedavg_with_rule(
     'horus', 'horus', HOPS_SETTINGS,
     summary='Horus: LoRA on stable layers of private backbones, HOPS '
     'detection on LoRA-A, projection-guided aligned aggregation.')
+
+# A bare --method=horus starts from the paper's setting.
+HORUS = HORUS._replace(preset='horus_fmnist_paper.flags')

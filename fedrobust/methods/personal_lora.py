@@ -93,7 +93,7 @@ def split_by_factor(shared: tuple[str, ...]):
 def personal_lora(name: str, shared: tuple[str, ...], *, cohorts,
                   local: LocalConfig,
                   optimizer: optax.GradientTransformation, aggregator=None,
-                  server_lr: float = 1.0, poison=None,
+                  server_lr: float = 1.0,
                   num_clients: int = 0) -> Method:
   """A LoRA method whose factors in `shared` are aggregated and whose
   other factors stay with each client (see the module docstring)."""
@@ -102,8 +102,7 @@ def personal_lora(name: str, shared: tuple[str, ...], *, cohorts,
   transform = cohort.transform
   scale = transform.factor_scale(None)
   n = num_clients or 1 + max(cohort.members)
-  update = transformed_sgd_update(cohort, local=local, optimizer=optimizer,
-                                  poison=poison)
+  update = transformed_sgd_update(cohort, local=local, optimizer=optimizer)
   # Local-LoRA aggregates nothing (built without an aggregator).
   aggregation = cohort_aggregation(aggregator, cohorts, ()) if shared else None
   combine, keep_shared = split_by_factor(shared)

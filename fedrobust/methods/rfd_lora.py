@@ -152,7 +152,7 @@ def client_model(transform, base, student, own, spec, round_number):
 
 def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
              optimizer: optax.GradientTransformation, aggregator=None,
-             server_lr: float = 1.0, poison=None, num_clients: int = 0,
+             server_lr: float = 1.0, num_clients: int = 0,
              clip: float = 10.0, groups: int = 5, consensus: str = 'mom',
              temperature: float = 2.0, kappa: float = 2.0, tau: float = 0.7,
              lam: float = 0.1, rho: float = 1.0, cat: bool = True,
@@ -166,7 +166,7 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
 
   Args:
     cohorts: one cohort with the LoRA transform (ranks may differ).
-    local, optimizer, poison: the clients' local training.
+    local, optimizer: the clients' local training.
     aggregator, server_lr: unused (the server distils; there is no
       parameter aggregate).
     num_clients: K (unused).
@@ -234,8 +234,7 @@ def rfd_lora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     apply, start = client_model(transform, base, student, own, spec,
                                 round_number)
     new, metrics = local_sgd(classification_loss(apply), start, data, key,
-                             optimizer=optimizer, config=local,
-                             poison=poison)
+                             optimizer=optimizer, config=local)
     z = anchor_logits(apply, new, server_data['anchors'],
                       anchor_batch).astype(jnp.float32)
     if prior_correction:
@@ -314,6 +313,7 @@ def _validate(settings: dict, aggregator: str) -> None:
 
 RFD_LORA = MethodSpec(
     build=rfd_lora,
+    lora_communication=True,
     summary='RFD-LoRA: clients with their own LoRA ranks send clipped anchor '
     'logits; the server distils a robust consensus (MoM, CAT, MMD, DIS).',
     settings=(

@@ -80,7 +80,7 @@ class SDFCState(NamedTuple):
 
 def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
          optimizer: optax.GradientTransformation, aggregator: Aggregator,
-         server_lr: float = 1.0, poison=None, num_clients: int = 0,
+         server_lr: float = 1.0, num_clients: int = 0,
          lam: float = 5.0, components: str = 'both',
          importance: str = 'fisher', stiffness: str = 'diff',
          fisher_mode: str = 'per_example', first_round: str = 'none',
@@ -96,8 +96,6 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
     aggregator: the server rule; 'fdagg' is the paper's FDAgg (Eq. 10). It
       gets T_k as `scores`, plus weights, ids and staleness.
     server_lr: server step on the aggregated delta.
-    poison: data poison of malicious clients (also used for their Fisher on
-      D_k: a malicious client's local data is its poisoned data).
     num_clients: K (unused; uniform factory interface).
     lam: lambda of Eq. 9 (paper 5, released config 1).
     components: 'both', 'fdreg' or 'fdagg' (Table 3).
@@ -165,11 +163,12 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
 
   def stiffness_at(w, data, server_data):
     """H_k (Eq. 8b, or the Table 4 variant) of model w on the client's
-    (possibly poisoned) data, one pass in order, and on U."""
+    (possibly poisoned) data, one pass in order, and on U. A malicious
+    client's local data is its poisoned data (`local.poison`)."""
     val_x, val_y, val_mask = server_data['validation']
     b, p = local.batch_size, local.steps_per_epoch
     rows = jnp.arange(p * b, dtype=jnp.int32).reshape(p, b)
-    xs, ys = jax.vmap(lambda r: poisoned_batch(data, r, poison))(rows)
+    xs, ys = jax.vmap(lambda r: poisoned_batch(data, r, local.poison))(rows)
     fisher = lambda x, y, m: fisher_diagonal(
         model.apply, w, x, y, m, importance=importance, mode=fisher_mode,
         impl=fisher_impl, probe_fn=model.probe, batch_size=fisher_batch)
@@ -211,8 +210,7 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
       return loss, aux
 
     new_params, metrics = local_sgd(loss_fn, params, data, key,
-                                    optimizer=optimizer, config=local,
-                                    poison=poison)
+                                    optimizer=optimizer, config=local)
     h = stiffness_at(new_params, data, server_data)
     metrics = dict(metrics, fisher_discrepancy=total_of(h))
     if incoming is not None:
@@ -269,6 +267,7 @@ def check_aggregator(settings: dict, aggregator: str) -> None:
 
 SDFC = MethodSpec(
     build=sdfc,
+    preset='sdfc_fmnist_paper.flags',
     summary='SDFC: Fisher-calibrated local training (FDReg) and '
     'aggregation (FDAgg).',
     settings=(

@@ -1,12 +1,12 @@
 r"""HiLoRA's clustering, recomputed from a run's checkpoint.
 
-  python experiments/hilora_clusters.py --workdir=runs/hilora_domains_quick
+  python experiments/analysis/hilora_clusters.py --workdir=runs/hilora_domains_quick
 
 HiLoRA clusters its clients once, when the root stage ends, from the EMA of
 each client's LoRA subspace (Sec. 3.2, Eq. 7-9); the EMA is frozen after
 that and checkpointed with the run. This tool restores the run's latest
 step and redoes the clustering with the package's own functions
-(fedrobust.methods.hilora_subspace), printing what the eigengap saw:
+(fedrobust.methods.hilora.subspace), printing what the eigengap saw:
 - the normalised Laplacian's smallest eigenvalues and their gaps;
 - the K the eigengap picks in [--k_min, --k_max] (the run's own range by
   default) and that clustering's ARI against the true groups (domains,
@@ -31,13 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import train
 from fedrobust.aggregators.spectral import per_matrix
 from fedrobust.checkpoint import Checkpointer
-from fedrobust.methods import hilora_subspace as hs
+from fedrobust.methods.hilora import subspace as hs
 from fedrobust.types import legacy_server_state
 
 

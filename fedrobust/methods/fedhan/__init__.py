@@ -8,7 +8,7 @@ engine pieces.
     mask (the `coverage` extra);
   * semi-asynchronous reception: `--client_delay` (each arrival carries its
     staleness tau);
-  * the server round is the 'fedhan' rule (aggregators/fedhan.py): the
+  * the server round is the 'fedhan' rule (methods/fedhan/rule.py): the
     per-client cache and imputation (Eq. 3-6), historical selection
     (Eq. 7-8), and detection by DBSCAN + 2-means on the suspicion scores
     (Sec. 3.5.3).
@@ -21,10 +21,19 @@ the rollback-and-replay recovery (Sec. 3.5.4) inside the same rule.
 
 from __future__ import annotations
 
-from fedrobust.aggregators.fedhan import (CACHE_DTYPES, LBFGS_PAIRS,
+from fedrobust.methods.fedhan.rule import (CACHE_DTYPES, LBFGS_PAIRS,
                                           SCORE_SETS)
 from fedrobust.methods.fedavg import fedavg_with_rule
 from fedrobust.settings import Setting
+from fedrobust.aggregators import needs as needs_lib
+from fedrobust.aggregators import register_rule
+from fedrobust.methods.fedhan import rule
+
+# FedHAN's rule: detection state per client id, tracking the global model;
+# told the attackers only in the told recovery mode (unlearn_round > 0).
+register_rule('fedhan', rule.fedhan, needs=needs_lib.Needs(
+    tracks_model=True, per_client='id',
+    derive=needs_lib.told_when_unlearning), replace=True)
 
 FEDHAN_SETTINGS = (
     Setting('beta', 0.9, 'Staleness decay of the weight matrix (Eq. 4).'),
@@ -83,3 +92,6 @@ fedhan, FEDHAN = fedavg_with_rule(
     summary='FedHAN: semi-asynchronous, width-heterogeneous FL with a '
     'per-client imputation cache, historical selection, DBSCAN '
     'detection and rollback/L-BFGS recovery.')
+
+# A bare --method=fedhan starts from the paper's setting.
+FEDHAN = FEDHAN._replace(preset='fedhan_fmnist_paper.flags')

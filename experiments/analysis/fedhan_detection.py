@@ -1,6 +1,6 @@
 r"""FedHAN's detector replayed on a run's logged suspicion scores.
 
-  python experiments/fedhan_detection.py --workdir=runs/fedhan_fmnist_quick \
+  python experiments/analysis/fedhan_detection.py --workdir=runs/fedhan_fmnist_quick \
     --eps=0.2,0.25,0.35 --min_samples=2,4 --ban_after=1,2 \
     --min_flag_score=0,1.35
 
@@ -53,13 +53,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import workdir as workdir_lib
 from experiments.train import DETECTION_KEYS as COUNTS, detection_rates
-from fedrobust.aggregators import fedhan_cache as fc
-from fedrobust.aggregators.fedhan import SCORE_SETS
+from fedrobust.methods.fedhan import cache as fc
+from fedrobust.methods.fedhan.rule import SCORE_SETS
 from fedrobust.engine.round import detection_counts
 
 

@@ -2,7 +2,7 @@ r"""RFD-LoRA's teacher against its student, from a run's checkpoints.
 
   python experiments/main.py --flagfile=experiments/configs/rfd_lora_movies_quick.flags \
       --checkpoint_every=1 --checkpoints_keep=3 --workdir=RUN
-  python experiments/rfd_lora_teacher.py --workdir=RUN
+  python experiments/analysis/rfd_lora_teacher.py --workdir=RUN
 
 RFD-LoRA's global model (the student W0 + S) learns the task only from the
 clients' logits on the public anchors (Algorithm 1). Its clean accuracy
@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import config as config_lib

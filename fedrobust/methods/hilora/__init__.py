@@ -11,7 +11,7 @@ frozen (merged into the base) and the cross-tier orthogonality penalties:
                  The stage ends when the relative step of the root product
                  is <= tau_rel or after root_rounds rounds; the server then
                  clusters the clients by their subspaces (Eq. 8-9, spectral
-                 clustering, K by the eigengap; methods/hilora_subspace.py).
+                 clustering, K by the eigengap; methods/hilora/subspace.py).
   cluster stage  client i trains its cluster's adapter over W0 + root with
                  gamma_c ||B_r^T B_c||^2 (Eq. 11); each cluster's product
                  mean is truncated back to rank r; a cluster freezes by the
@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedrobust import adapt
@@ -61,7 +62,7 @@ from fedrobust.aggregators.spectral import per_matrix
 from fedrobust.cohort import Cohort
 from fedrobust.errors import SettingError
 from fedrobust.local import LocalConfig, classification_loss, local_sgd
-from fedrobust.methods import hilora_subspace as hs
+from fedrobust.methods.hilora import subspace as hs
 from fedrobust.methods.base import MethodSpec
 from fedrobust.methods.fedlora import (add_dense, lora_modules, products,
                                        svd_factors, nest_paths)
@@ -110,7 +111,7 @@ CLUSTER_BASES = ('factor', 'update', 'input_update')
 
 def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
            optimizer: optax.GradientTransformation, aggregator=None,
-           server_lr: float = 1.0, poison=None, num_clients: int = 0,
+           server_lr: float = 1.0, num_clients: int = 0,
            root_rounds: int = 20, cluster_rounds: int = 20,
            tau_rel: float = 0.01, gamma_c: float = 0.1,
            gamma_l: float = 0.1, ema_decay: float = 0.9, k_min: int = 2,
@@ -120,7 +121,7 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
   """HiLoRA on one LoRA cohort of a single rank.
 
   Args:
-    cohorts, local, optimizer, poison: as for FedAvg (no aggregator: the
+    cohorts, local, optimizer: as for FedAvg (no aggregator: the
       tiers are product-space means, Eq. 10-11; server_lr is unused).
     root_rounds, cluster_rounds: T_root and T_cluster (the leaf stage has
       the rest of the rounds).
@@ -282,7 +283,7 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
       start = (root, cluster, leaf)
       new, metrics = local_sgd(joint_loss(base, stage, has, slot, bases),
                                start, data, key, optimizer=optimizer,
-                               config=local, poison=poison)
+                               config=local)
       return ClientOutput(delta=tree_sub(new, start),
                           weight=data.count.astype(jnp.float32),
                           client_state=(), metrics=metrics)
@@ -303,7 +304,7 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
                             stage, has), aux
 
     new, metrics = local_sgd(loss_fn, start, data, key, optimizer=optimizer,
-                             config=local, poison=poison)
+                             config=local)
     # In the cluster stage a client without a cluster trains nothing.
     active = (stage != CLUSTER) | has
     weight = data.count.astype(jnp.float32) * active
@@ -490,7 +491,23 @@ def hilora(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
 
   return Method('hilora', init, broadcast, client_state, client_update,
                 server_update, eval_models,
-                provides=frozenset({'weights', 'ids'}), newcomer=newcomer)
+                provides=frozenset({'weights', 'ids'}), newcomer=newcomer,
+                describe=describe_clusters)
+
+
+def describe_clusters(method_state, client_groups) -> dict[str, Any]:
+  """The clusters for the run's summary: `num_clusters` (0 before it
+  clustered), `cluster_assignment` per client (-1: none) and, when the
+  partition knows the true groups, `true_clusters` and `cluster_ari`
+  (adjusted Rand index of the assignment against them)."""
+  assign = np.asarray(jax.device_get(method_state.assign))
+  out = {'num_clusters': int(jax.device_get(method_state.num_clusters)),
+         'cluster_assignment': assign.tolist()}
+  if client_groups is not None and out['num_clusters'] > 0:
+    truth = np.asarray(client_groups)[:len(assign)]
+    out['true_clusters'] = int(len(set(truth[truth >= 0].tolist())))
+    out['cluster_ari'] = hs.adjusted_rand_index(truth, assign)
+  return out
 
 
 def _relative(old: dict, new: dict) -> jax.Array:

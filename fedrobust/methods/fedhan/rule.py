@@ -4,7 +4,7 @@ The engine already delivers what FedHAN's server receives: with
 `--client_delay` the round's arrivals come with their staleness tau, and
 with `--transform=width` each upload carries its width mask as the
 `coverage` extra. This rule keeps FedHAN's per-client cache (the O(4Np)
-state, aggregators/fedhan_cache.py) in its state, indexed by client id, and
+state, methods/fedhan/cache.py) in its state, indexed by client id, and
 per round:
 
   1. Eq. 3, 4, 9: writes the arrivals into the cache (their update on
@@ -110,8 +110,9 @@ from fedrobust.aggregators.federaser import unlearning_request
 from fedrobust.aggregators.finetune import first_client, ravel_one
 from fedrobust.aggregators.fldetector import lbfgs_hvp
 from fedrobust.aggregators.mean import setting
-from fedrobust.aggregators import fedhan_cache as fc
+from fedrobust.methods.fedhan import cache as fc
 from fedrobust.tree import ravel_clients, unravel_like
+from fedrobust.types import LEGACY_CONVERTERS
 
 CACHE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 LBFGS_PAIRS = ('exact', 'trajectory')
@@ -178,6 +179,9 @@ def legacy_states(like: Any):
       lambda x: FedHANState(*x, score=None) if is_v1(x) else x, tree,
       is_leaf=is_v1)
   return ((template, convert),)
+
+
+LEGACY_CONVERTERS.append(legacy_states)
 
 
 def recovery_bytes(rollback: int, slots: int, dim: int, num_clients: int,

@@ -1,7 +1,7 @@
 r"""FedDPA's personal accuracy under other mixing rules, read from a finished
 run's last checkpoint (BUILD_NOTES §3f):
 
-  python experiments/feddpa_mix.py WORKDIR
+  python experiments/analysis/feddpa_mix.py WORKDIR
 
 prints the clients' mean accuracy on their own test splits with the
 instance-wise weighting (as the run evaluated it), with a fixed weight w_G
@@ -14,8 +14,8 @@ import os
 import sys
 
 if __package__ in (None, ''):   # run as a script: make `experiments` importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__))))
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))))
 # pylint: disable=g-import-not-at-top
 import jax
 import jax.numpy as jnp
