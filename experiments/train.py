@@ -47,6 +47,7 @@ from fedrobust.checkpoint import (CheckpointError, CheckpointSpaceError,
                                   Checkpointer, barrier, is_primary)
 from fedrobust.cohort import Cohort
 from fedrobust.data import DEFAULT_FASHION_MNIST_DIR, DataNotFoundError  # noqa
+from fedrobust.engine.detection import DETECTION_KEYS, detection_rates
 from fedrobust.engine.round import all_finite
 from fedrobust.errors import SettingError
 
@@ -148,21 +149,6 @@ def lora_communication(method: str, cohort: Cohort, template: Any, *,
 # ----------------------------------------------------------------------------
 # Files.
 # ----------------------------------------------------------------------------
-
-
-DETECTION_KEYS = ('det_tp', 'det_fp', 'det_fn', 'det_tn')
-
-
-def detection_rates(counts: dict[str, Any], prefix: str) -> dict[str, Any]:
-  """Precision, recall, FPR, FNR and accuracy (FedHAN's DACC) of
-  'excluded' vs 'malicious' (NaN if 0/0)."""
-  tp, fp, fn, tn = (float(counts[k]) for k in DETECTION_KEYS)
-  div = lambda a, b: a / b if b else float('nan')
-  return {f'{prefix}detection_precision': div(tp, tp + fp),
-          f'{prefix}detection_recall': div(tp, tp + fn),
-          f'{prefix}detection_fpr': div(fp, fp + tn),
-          f'{prefix}detection_fnr': div(fn, fn + tp),
-          f'{prefix}detection_accuracy': div(tp + tn, tp + fp + fn + tn)}
 
 
 def params_sha256(params: Any) -> str:

@@ -13,8 +13,8 @@ update has arrived. d is drawn per (client, round) from the user's choice:
                   at an explicit cap: exponential:M:MAX
 
 The cap bounds the in-flight buffer: a cohort holds (MAX + 1) * C_j
-pending updates (engine.round). A client's delay depends on its id and the
-round only, never on its slot.
+pending updates (engine.arrivals). A client's delay depends on its id and
+the round only, never on its slot.
 
 By default the server takes every update due in a round, so the
 aggregator sees all (MAX + 1) * C_j buffer rows, most of them masked. With
