@@ -12,7 +12,8 @@ from typing import Any
 
 from fedrobust.config import (CORE, EXECUTION_KEYS, RESUMABLE_KEYS,  # noqa
                               all_settings, check_foreign_settings,
-                              core_settings, defaults, method_flag,
+                              core_settings, defaults, execution_keys,
+                              method_flag,
                               method_settings, settings_of)
 from fedrobust.errors import SettingError
 from fedrobust.methods import METHODS

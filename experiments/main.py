@@ -3,7 +3,7 @@ r"""fedrobust experiment runner: the only module that defines flags.
   python experiments/main.py --method=fedavg --num_clients=10 \
     --partition=dirichlet --dirichlet_alpha=0.5 --num_rounds=20
 
-Flags are built from the settings' declarations (experiments/config.py for
+Flags are built from the settings' declarations (fedrobust/config.py for
 the core ones, each method's registry entry for its own). A bare
 --method=NAME starts from the method's paper preset, when it has one
 (its registry entry's `preset`); flags given explicitly win. Presets live in

@@ -1,11 +1,11 @@
-"""The host side of a run: data, program, loop, files, resume.
+"""The host side of a run: workdir, checkpoints, loop, logs, summary.
 
 `run(config)` takes a plain dict with one key per setting
-(experiments/config.py; main.py builds it from flags, tests build it
-directly). Everything numeric happens in one compiled round program; this
-module moves data to the device once, calls the program, logs, evaluates
-and checkpoints. It knows no method by name: a method's settings, server
-data and default aggregator come from its registry entry.
+(fedrobust/config.py; main.py builds it from flags, tests build it
+directly) and drives a `fedrobust.Federation` built from it: everything
+numeric happens in the federation's one compiled round program; this
+module adds the workdir, resume, checkpoints, metrics files, TensorBoard,
+preemption and the summary. It knows no method, rule or attack by name.
 
 Every check (flags, data, method, threat model) runs before anything is
 written to the workdir.
@@ -375,7 +375,8 @@ def _prepare(fed: Federation) -> Writers:
   primary = is_primary()
   if primary:
     workdir_lib.prepare(config, defaults=config_lib.defaults(),
-                        resumable=RESUMABLE_KEYS, execution=EXECUTION_KEYS,
+                        resumable=RESUMABLE_KEYS,
+                        execution=config_lib.execution_keys(),
                         normalize=normalize)
   barrier(f'workdir-prepared {workdir}')   # --overwrite may remove files
   cohort_of = np.zeros(config['num_clients'], int)

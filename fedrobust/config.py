@@ -303,9 +303,17 @@ def method_settings() -> dict[str, tuple[str, Setting]]:
   return out
 
 
-EXECUTION_KEYS = _CORE_EXECUTION_KEYS | frozenset(
-    flag for flag, (_, setting) in method_settings().items()
-    if setting.execution)
+def execution_keys() -> frozenset[str]:
+  """Settings that only change how a result is computed (a resume may
+  change them): the core ones and every registered method's, as the
+  registry is now."""
+  return _CORE_EXECUTION_KEYS | frozenset(
+      flag for flag, (_, setting) in method_settings().items()
+      if setting.execution)
+
+
+# The built-in methods' (execution_keys() also sees registered ones).
+EXECUTION_KEYS = execution_keys()
 
 
 def _registry_choices() -> dict[str, tuple[str, ...]]:

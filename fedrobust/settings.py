@@ -2,9 +2,9 @@
 them.
 
 A method (or any component with a registry) lists its settings as
-`Setting`s. The experiment runner turns each into a flag and a config key
-(`experiments/config.py`), passes the value to the factory under `arg`,
-and maps errors about `arg` back to the flag. The library itself never
+`Setting`s. Each becomes a config key (`fedrobust/config.py`) and, on the
+command line, a flag; the value reaches the factory under `arg`, and the
+runner maps errors about `arg` back to the flag. The library itself never
 spells a flag.
 """
 

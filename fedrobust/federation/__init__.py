@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fedrobust.engine import (make_round_step, make_setup_step,
                               place_clients)
+from fedrobust.engine.detection import detection_rates
 from fedrobust.federation.builder import (Program, build, check_settings,
                                         initial_params,
                                         initial_server_state,
@@ -189,23 +190,33 @@ class Federation:
     """Runs rounds from `state` (default: init()) and evaluates every
     `eval_every` rounds and after the last.
 
+    With on_divergence='stop' the loop ends after the first round whose
+    model is not finite (that round is evaluated); 'skip_round' drops such
+    a round's update inside the step.
+
     Returns:
       (final state, one row per evaluated round: 'round', the round's
-      metrics and the evaluation's).
+      metrics with the detection rates, and the evaluation's).
     """
     num_rounds = num_rounds or self.config['num_rounds']
     eval_every = eval_every or self.config['eval_every']
+    stop_on_nan = self.config['on_divergence'] == 'stop'
     state = self.init() if state is None else state
     start = int(state.round)
     rows = []
     for rnd in range(start + 1, start + num_rounds + 1):
       state, metrics = self.step(state)
       metrics.pop('clients', None)
-      if rnd % eval_every == 0 or rnd == start + num_rounds:
+      stop = stop_on_nan and bool(metrics['nonfinite_model'])
+      if rnd % eval_every == 0 or rnd == start + num_rounds or stop:
         row = {'round': rnd, **{k: float(np.asarray(v))
                                 for k, v in metrics.items()}}
+        if 'det_tp' in row:
+          row.update(detection_rates(row, ''))
         row.update(self.evaluate(state))
         rows.append(row)
+      if stop:
+        break
     return state, rows
 
 
