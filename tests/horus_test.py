@@ -64,13 +64,14 @@ class RuleTest(absltest.TestCase):
   def test_projection_weights_by_hand(self):
     """Clients' A are rank-1, u_c v^T: with the global direction v_g,
     alpha_c = |<u_c, v_g>| (Eq. 8) and the update is sum alpha x / sum
-    alpha (Eq. 9). Nobody is excluded (p = 100)."""
+    alpha (Eq. 9). Nobody is excluded (p = 100 under Eq. 5's S > theta;
+    Algorithm 1's S >= theta would exclude the top score)."""
     rng = np.random.default_rng(2)
     m, r, c = 6, 3, 4
     u = orthonormal(rng, m, c).T                      # [C, m], unit rows
     v = rng.normal(size=(c, r))
     a = np.einsum('ci,cj->cij', u, v).astype(np.float32)     # [C, m, r]
-    agg = get_aggregator('horus', percentile=100.0)
+    agg = get_aggregator('horus', percentile=100.0, exclude_ties=False)
     params = {'layer': {'a': jnp.zeros((m, r)), 'b': jnp.zeros((r, 2))}}
     updates = {'layer': {'a': jnp.asarray(a),
                          'b': jnp.asarray(rng.normal(size=(c, r, 2)),

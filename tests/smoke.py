@@ -290,6 +290,8 @@ SHRINK: dict[str, Callable[[list[str], str], list[str]]] = {
     'experiments/main.py': shrink_main,
     'experiments/sweep.py': shrink_sweep,
     'experiments/analysis/fedhan_detection.py': shrink_fedhan_detection,
+    'experiments/paper_suite.py': lambda argv, cwd: set_flags(
+        argv, {'scale': 'tiny', 'only': 'sdfc_t5_b05_m30_dnc'}),
     'examples/quickstart.py': lambda argv, cwd: set_flags(
         argv, {'rounds': '1', 'examples': str(SMALL_TRAIN)}),
     'examples/custom_rule.py': lambda argv, cwd: set_flags(

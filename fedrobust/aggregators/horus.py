@@ -79,7 +79,7 @@ def _matrix(leaf: jax.Array) -> jax.Array:
 
 def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
           percentile: float = 95.0, detect: str = 'a',
-          projection: bool = True, exclude_ties: bool = False,
+          projection: bool = True, exclude_ties: bool = True,
           sv_method: str = 'auto') -> Aggregator:
   """Horus's HOPS detection plus projection-guided aggregation.
 
@@ -90,13 +90,14 @@ def horus(*, num_byzantine: int = 0, lam: float = 0.5, top_k: int = 5,
     percentile: p of the detection threshold (Eq. 5; the paper's 95).
     detect: 'a', 'b' or 'ab' (Table III's b_detect / ab_detect).
     projection: projection-guided weights (Eq. 8); False is "w/o weight".
-    exclude_ties: exclude S >= theta instead of Eq. 5's S > theta. With the
-      paper's rule, k identical top scores with k/C > 1 - p/100 pull theta
-      up to their value and nobody is excluded (colluders sending one
-      update); with ties excluded they all go. Without ties the two rules
-      agree unless theta equals a score exactly (p = 100 excludes the
-      maximum). A client at the round's lowest score is never excluded, so
-      a round of equal scores keeps everyone.
+    exclude_ties: the benign set is {c | S_c < theta} (Algorithm 1, line
+      13): S >= theta is excluded. False reads Eq. 5's prose instead (flag
+      S > theta), under which k identical top scores with k/C > 1 - p/100
+      pull theta up to their value and nobody is excluded (colluders
+      sending one update); with ties excluded they all go. Without ties
+      the two readings agree unless theta equals a score exactly (p = 100
+      excludes the maximum). A client at the round's lowest score is never
+      excluded, so a round of equal scores keeps everyone.
     sv_method: 'svd' (jnp.linalg.svd per client matrix) or 'gram' (the
       eigen-decomposition of the smaller Gram matrix,
       spectral.first_left_singular): the same singular values and first

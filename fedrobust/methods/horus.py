@@ -40,9 +40,10 @@ HOPS_SETTINGS = (
             'ab (Table III).', choices=DETECT),
     Setting('projection', True, 'Projection-guided weights (Eq. 8); off is '
             'Table III\'s "w/o weight".'),
-    Setting('exclude_ties', False, 'Exclude clients with S >= theta instead '
-            "of the paper's S > theta: identical colluders that tie at the "
-            'top are excluded together (off: the paper).'),
+    Setting('exclude_ties', True, 'Exclude clients with S >= theta, as '
+            "Algorithm 1's benign set {c | S_c < theta} does (identical "
+            'colluders that tie at the top go together; never a client at '
+            "the round's lowest score); off: Eq. 5's prose, S > theta."),
     Setting('sv_method', 'auto', 'How the server takes singular values and '
             'first directions: svd (one SVD per client matrix), gram (a '
             'batched eigh of the smaller Gram matrix; equal within float32 '
