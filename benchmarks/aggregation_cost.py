@@ -32,7 +32,7 @@ import numpy as np
 
 from fedrobust.aggregators import get_aggregator, spectral
 from fedrobust.aggregators import krum as krum_lib
-from fedrobust.methods.fisher import fisher_diagonal
+from fedrobust.methods.sdfc.fisher import fisher_diagonal
 from fedrobust.models import MODELS, default_conv_impl, get_model
 
 flags.DEFINE_string('clients', '10,100,1000', 'Comma-separated C values.')

@@ -80,7 +80,8 @@ def _slow_tests() -> frozenset[str]:
 # the workers in collection order, so starting these first keeps the two
 # workers busy to the end instead of leaving one long file for last.
 LONG_POLES = ('tests/smoke_configs_test.py', 'tests/smoke_configs_more_test.py',
-              'tests/smoke_docs_test.py',
+              'tests/smoke_docs_test.py', 'tests/examples_test.py',
+              'tests/paper_suite_test.py',
               'tests/methods_test.py', 'tests/main_test.py',
               'tests/multiprocess_test.py', 'tests/reliability_test.py')
 

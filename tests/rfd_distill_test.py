@@ -1,4 +1,4 @@
-"""RFD-LoRA's server side (fedrobust/methods/rfd_distill.py) against NumPy."""
+"""RFD-LoRA's server side (fedrobust/methods/rfd_lora/distill.py) against NumPy."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedrobust.errors import SettingError
-from fedrobust.methods import rfd_distill as rd
+from fedrobust.methods.rfd_lora import distill as rd
 
 K, A, C = 10, 4, 3
 

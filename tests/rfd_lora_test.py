@@ -1,4 +1,4 @@
-"""RFD-LoRA as a method (fedrobust/methods/rfd_lora.py) on a tiny model.
+"""RFD-LoRA as a method (fedrobust/methods/rfd_lora/__init__.py) on a tiny model.
 
 The conformance suite (methods_test.py) covers masks, retracing and
 resume; here: heterogeneous ranks in one round, clients keep their own
@@ -15,7 +15,7 @@ from fedrobust import engine, models
 from fedrobust.cohort import single_cohort
 from fedrobust.errors import SettingError
 from fedrobust.methods import get_method
-from fedrobust.methods import rfd_distill
+from fedrobust.methods.rfd_lora import distill as rfd_distill
 from fedrobust.methods.rfd_lora import (anchor_logits, client_model,
                                         cohort_specs, label_prior_offset)
 from fedrobust.transforms import identity, lora

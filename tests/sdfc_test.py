@@ -15,8 +15,8 @@ from fedrobust.cohort import single_cohort
 from fedrobust.local import classification_loss
 from fedrobust.methods import get_method
 from fedrobust import models
-from fedrobust.methods import fisher as fisher_lib
-from fedrobust.methods.fisher import factored_plan, fisher_diagonal
+from fedrobust.methods.sdfc import fisher as fisher_lib
+from fedrobust.methods.sdfc.fisher import factored_plan, fisher_diagonal
 from fedrobust.methods.sdfc import SDFCClientState
 from fedrobust.transforms import identity
 from fedrobust.types import LocalData

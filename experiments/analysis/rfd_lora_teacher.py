@@ -51,7 +51,7 @@ from experiments import workdir as workdir_lib
 from fedrobust.checkpoint import Checkpointer
 from fedrobust.cohort import member_positions
 from fedrobust.engine.evaluate import backdoor_rates, pad_to_batches
-from fedrobust.methods import rfd_distill
+from fedrobust.methods.rfd_lora import distill as rfd_distill
 from fedrobust.methods.rfd_lora import (client_model, cohort_specs,
                                         label_prior_offset, top_class_share)
 

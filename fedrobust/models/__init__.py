@@ -61,7 +61,7 @@ class Model(NamedTuple):
       {'out': float[N, ...]}; a conv fused with its pool, conv_impl
       'block', has float[N, Ho/2, Wo/2, 4, Cout]); eval mode. The
       gradient of a loss with respect to the perturbations is every
-      layer's per-example output gradient (methods/fisher.py).
+      layer's per-example output gradient (methods/sdfc/fisher.py).
   """
   name: str
   init: Callable[[jax.Array], Params]
@@ -131,7 +131,7 @@ def get_model(name: str, *, num_classes: int, input_shape: tuple[int, ...],
 
     def forward(perturbations):
       # One forward gives the logits and every probed layer's input, so a
-      # gradient through it (methods/fisher.py, has_aux) reuses the
+      # gradient through it (methods/sdfc/fisher.py, has_aux) reuses the
       # activations it saved: a separate pass for the inputs cost 14-18%
       # of the factored Fisher (BUILD_NOTES §4).
       logits, probed = module.apply(

@@ -110,7 +110,7 @@ def lora_merged(module: nn.Module, kernel: jax.Array) -> jax.Array:
   return kernel + (a @ b).reshape(kernel.shape).astype(kernel.dtype)
 
 
-# Probes for per-example statistics (methods/fisher.py's factored Fisher).
+# Probes for per-example statistics (methods/sdfc/fisher.py's factored Fisher).
 # Each Dense and Conv sows its input into PROBE_INPUTS and adds a zero
 # perturbation from PROBE_OUTPUTS to its output; the gradient with respect
 # to that perturbation is the layer's per-example output gradient. Both
@@ -432,7 +432,7 @@ class Conv(nn.Module):
               or self.has_variable(PROBE_OUTPUTS, 'out')):
         return nn.relu(conv_pool_block(x, kernel, bias,
                                        padding=self.padding))
-      # Probed (methods/fisher.py): the perturbation, and so the output
+      # Probed (methods/sdfc/fisher.py): the perturbation, and so the output
       # gradient the probe reads, is in block layout [N, Ho/2, Wo/2, 4,
       # Cout]; the Fisher recognises a 5-D probe by its rank.
       out = conv_blocks(x, kernel, padding=self.padding)

@@ -4,7 +4,7 @@ Clients hold their own LoRA adapters, of different ranks r_k, and never
 send them: after local training each client sends its logits on a public
 anchor set, clipped to [-c, c] (Sec. 3.1, Eq. 4). The server turns the
 round's logits into per-anchor targets with Median-of-Means, CAT, MMD
-moments and DIS (fedrobust.methods.rfd_distill, Eq. 5-9) and takes
+moments and DIS (fedrobust.methods.rfd_lora.distill, Eq. 5-9) and takes
 gradient steps on the global student's adapter over the anchors
 (Algorithm 1's last line).
 
@@ -61,7 +61,7 @@ from fedrobust.cohort import Cohort, member_positions
 from fedrobust.engine.execution import spread_batch
 from fedrobust.errors import SettingError
 from fedrobust.local import LocalConfig, classification_loss, local_sgd
-from fedrobust.methods import rfd_distill
+from fedrobust.methods.rfd_lora import distill as rfd_distill
 from fedrobust.methods.base import MethodSpec, eval_models_of
 from fedrobust.settings import Setting
 from fedrobust.transforms.base import masked

@@ -54,7 +54,7 @@ from fedrobust.local import (LocalConfig, classification_loss, local_sgd,
                              poisoned_batch)
 from fedrobust.methods.base import (MethodSpec, check_cohorts,
                                     eval_models_of, extras_of, server_step)
-from fedrobust.methods.fisher import (FISHER_IMPLS, FISHER_MODES,
+from fedrobust.methods.sdfc.fisher import (FISHER_IMPLS, FISHER_MODES,
                                       IMPORTANCES,
                                       fisher_diagonal)
 from fedrobust.settings import Setting
@@ -107,7 +107,7 @@ def sdfc(*, cohorts: tuple[Cohort, ...], local: LocalConfig,
       the experiment runner (MethodSpec.aggregator_defaults).
     diagnostics: also report T at the incoming global model.
     fisher_impl: 'factored' (one backward pass per batch, per-layer
-      products; methods/fisher.py) or 'vmap' (per-example gradients); the
+      products; methods/sdfc/fisher.py) or 'vmap' (per-example gradients); the
       same math, summed in another order.
     fisher_batch: examples per batch of the Fisher passes (0: automatic,
       fisher.fisher_batch_size); a multiple of the local batch size. The
