@@ -105,21 +105,6 @@ def ours(rows_path: str, metric: str, last_k: int) -> float | None:
       else None
 
 
-def paper_values(cell: dict) -> dict[str, float]:
-  """The paper's numbers for the cell's metrics (fractions), by our key."""
-  table = reference.load(cell['paper'], cell['table'])
-  row = table.get((cell['paper_method'], cell['paper_setting']))
-  if row is None:
-    raise ValueError(f"{cell['name']}: no reference row for "
-                     f"{cell['paper_method']!r}, {cell['paper_setting']!r} "
-                     f"in {cell['paper']} {cell['table']}")
-  names = cell.get('paper_metrics', {})
-  # reference.load reads percent; a table that reports fractions says so.
-  scale = 100.0 if cell.get('paper_unit') == 'fraction' else 1.0
-  return {m: None if row.get(names.get(m, m)) is None else
-          scale * row[names.get(m, m)] for m in cell['metrics']}
-
-
 def table_rows(cell: dict, result: dict, workdir: str) -> list[dict]:
   """One row per metric of a cell."""
   summary = result.get('summary', {})
@@ -128,7 +113,7 @@ def table_rows(cell: dict, result: dict, workdir: str) -> list[dict]:
   schedule = (f"{config.get('num_rounds', '?')} rounds x "
               f"{config.get('local_epochs', '?')} local epochs"
               if config else '')
-  paper = paper_values(cell)
+  paper = reference.cell_values(cell)
   out = []
   for metric in cell['metrics']:
     value = (ours(os.path.join(workdir, 'metrics.jsonl'), metric,

@@ -118,3 +118,19 @@ def setting_of(paper: str, config: dict) -> str:
     raise ValueError(f'--reference: no setting rule for paper {paper!r}; '
                      f'known: {sorted(SETTINGS)}')
   return SETTINGS[paper](config)
+
+
+def cell_values(cell: dict) -> dict[str, float | None]:
+  """The paper's numbers (fractions) for a paper-suite cell's metrics, by
+  our metric key (experiments/suites/paper_suite.json)."""
+  table = load(cell['paper'], cell['table'])
+  row = table.get((cell['paper_method'], cell['paper_setting']))
+  if row is None:
+    raise ValueError(f"{cell['name']}: no reference row for "
+                     f"{cell['paper_method']!r}, {cell['paper_setting']!r} "
+                     f"in {cell['paper']} {cell['table']}")
+  names = cell.get('paper_metrics', {})
+  # reference.load reads percent; a table that reports fractions says so.
+  scale = 100.0 if cell.get('paper_unit') == 'fraction' else 1.0
+  return {m: None if row.get(names.get(m, m)) is None else
+          scale * row[names.get(m, m)] for m in cell['metrics']}

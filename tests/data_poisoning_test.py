@@ -29,7 +29,7 @@ def train_one_client(loss, params, x, y, config, poison, malicious):
                              jnp.int32(0))
   new, _ = local_lib.local_sgd(loss, params, data, jax.random.key(1),
                                optimizer=local_lib.sgd(learning_rate=0.1),
-                               config=config, poison=poison)
+                               config=config._replace(poison=poison))
   return new
 
 

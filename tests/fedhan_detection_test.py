@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.analysis import fedhan_detection as fd
-from experiments.train import detection_rates
+from fedrobust.engine.detection import detection_rates
 from fedrobust.aggregators import call_aggregator, get_aggregator
 from fedrobust.engine.round import detection_counts
 

@@ -424,7 +424,7 @@ class EndToEndTest(IdxDataTestCase):
         self.assertEqual(set(row['clients']['id']), {0, 1, 2, 3} - bad)
         self.assertEqual(row['num_attacking'], 0.0)
     for bad_flags, pattern in ((dict(attack='none', malicious_fraction=0.0),
-                                '--exclude_malicious needs --attack'),
+                                '--exclude_malicious: needs an attack'),
                                (dict(resample_malicious=True),
                                 'fixed malicious set')):
       with self.assertRaisesRegex(ValueError, pattern):

@@ -80,13 +80,14 @@ def main(argv):
   if workdir:
     # Record which test images the run builds (the Evaluator's placement).
     test_images = []
-    load = train.load_dataset
+    from fedrobust.federation import builder  # pylint: disable=g-import-not-at-top
+    load = builder.load_dataset
 
     def recording_load(*args, **kwargs):
       dataset = load(*args, **kwargs)
       test_images.append(_Recording(dataset.test_x))
       return dataset._replace(test_x=test_images[-1])
-    train.load_dataset = recording_load
+    builder.load_dataset = recording_load
     from experiments import preemption  # pylint: disable=g-import-not-at-top
     try:
       summary = train.run(dict(config, workdir=workdir, checkpoint_every=1))

@@ -25,7 +25,7 @@ def run_suite(out, *args):
 
 
 def test_every_cell_names_its_paper_row_and_data():
-  from experiments import paper_suite  # pylint: disable=g-import-not-at-top
+  from experiments import reference  # pylint: disable=g-import-not-at-top
   with open(SUITE) as f:
     cells = json.load(f)['cells']
   assert [c['priority'] for c in cells] == sorted(c['priority']
@@ -33,7 +33,7 @@ def test_every_cell_names_its_paper_row_and_data():
   papers = {c['paper'] for c in cells}
   assert papers == {'SDFC', 'Horus', 'FedHAN', 'RFD-LoRA', 'HiLoRA'}
   for cell in cells:
-    values = paper_suite.paper_values(cell)      # raises on a missing row
+    values = reference.cell_values(cell)      # raises on a missing row
     assert all(v is not None for v in values.values()), cell['name']
     assert cell['data'] and cell['device_seconds'] > 0
 

@@ -58,7 +58,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import workdir as workdir_lib
-from experiments.train import DETECTION_KEYS as COUNTS, detection_rates
+from fedrobust.engine.detection import DETECTION_KEYS as COUNTS
+from fedrobust.engine.detection import detection_rates
 from fedrobust.methods.fedhan import cache as fc
 from fedrobust.methods.fedhan.rule import SCORE_SETS
 from fedrobust.engine.round import detection_counts
