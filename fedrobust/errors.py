@@ -54,3 +54,25 @@ def check_finite_range(argument: str, value: float, *, low: float | None = None,
     raise SettingError(argument, f'must be in {interval}, got {value}',
                        component=component)
   return float(value)
+
+
+def check_registration(kind: str, name: str, registry, *, replace: bool,
+                       provides=(), provided=()) -> None:
+  """Checks a registration: `name` is a plain name (letters, digits and
+  underscores), new to `registry` unless `replace`, and every fact in
+  `provides` is one of `provided`.
+
+  Raises:
+    ValueError: naming the component kind, the name and what is wrong.
+  """
+  if not (name and name.replace('_', '').isalnum() and name.isascii()):
+    raise ValueError(f'{kind} name {name!r} must be letters, digits and '
+                     'underscores')
+  if name in registry and not replace:
+    raise ValueError(f'{kind} {name!r} is registered already; pass '
+                     'replace=True to replace it')
+  for what in provides:
+    if what not in provided:
+      raise ValueError(f'{kind} {name!r}: provides={what!r}; expected '
+                       f'names from {tuple(provided)}')
+

@@ -68,6 +68,11 @@ class FederationTest(absltest.TestCase):
                               replace=True)
     with self.assertRaisesRegex(ValueError, 'registered already'):
       fedrobust.register_rule('user_median', coordinatewise.median)
+    with self.assertRaisesRegex(ValueError, 'letters, digits and underscores'):
+      fedrobust.register_attack('user sign-flip', model_poisoning.sign_flip)
+    with self.assertRaisesRegex(ValueError, "provides='model'"):
+      fedrobust.register_rule('user_rule', coordinatewise.median,
+                              needs=fedrobust.Needs(provides=('model',)))
     fed = fedrobust.Federation(SETTINGS, data_dir=self.data_dir,
                                aggregator='user_median',
                                attack='user_sign_flip')

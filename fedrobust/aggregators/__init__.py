@@ -32,7 +32,7 @@ from fedrobust.aggregators.base import (EXTRAS, Aggregator, call_aggregator,
 from fedrobust.aggregators.needs import Needs, RuleEntry, RunFacts
 from fedrobust.aggregators.pre import (PRE_AGGREGATORS, PreAggregator,
                                        compose, get_pre_aggregator)
-from fedrobust.errors import SettingError
+from fedrobust.errors import SettingError, check_registration
 
 _N = needs_lib.Needs
 _WHOLE = dict(whole_model=True, tracks_model=True)
@@ -126,17 +126,10 @@ def register_rule(name: str, factory: Callable[..., Aggregator], *,
     replace: allow replacing an existing entry of that name.
 
   Raises:
-    ValueError: the name is taken (and not `replace`), or not an identifier.
+    ValueError: the name is taken (and not `replace`), or not a plain name.
   """
-  if not name.isidentifier():
-    raise ValueError(f'rule name {name!r} must be an identifier')
-  if name in RULES and not replace:
-    raise ValueError(f'rule {name!r} is registered already; pass '
-                     'replace=True to replace it')
-  for what in needs.provides:
-    if what not in needs_lib.PROVIDED:
-      raise ValueError(f'rule {name!r}: provides={what!r}; expected names '
-                       f'from {needs_lib.PROVIDED}')
+  check_registration('rule', name, RULES, replace=replace,
+                     provides=needs.provides, provided=needs_lib.PROVIDED)
   RULES[name] = RuleEntry(factory, needs)
   AGGREGATORS[name] = factory
 

@@ -10,7 +10,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from fedrobust.errors import SettingError
+from fedrobust.errors import SettingError, check_registration
 from fedrobust.attacks.adaptive import (clippedclustering_adaptive,
                                         signguard_adaptive)
 from fedrobust.attacks.data_poisoning import (DataPoison, Trigger,
@@ -135,18 +135,11 @@ def register_attack(name: str, factory: Callable[..., Any], *,
     needs: its kind, inputs and the run facts it takes.
     replace: allow replacing an existing entry of that name.
   """
-  if not name.replace('_', '').isalnum():
-    raise ValueError(f'attack name {name!r} must be an identifier')
-  if name in ATTACK_ENTRIES and not replace:
-    raise ValueError(f'attack {name!r} is registered already; pass '
-                     'replace=True to replace it')
+  check_registration('attack', name, ATTACK_ENTRIES, replace=replace,
+                     provides=needs.provides, provided=PROVIDED)
   if needs.kind not in KINDS or needs.inputs not in INPUTS:
     raise ValueError(f'attack {name!r}: kind must be one of {KINDS} and '
                      f'inputs one of {INPUTS}')
-  for what in needs.provides:
-    if what not in PROVIDED:
-      raise ValueError(f'attack {name!r}: provides={what!r}; expected '
-                       f'names from {PROVIDED}')
   for view in _VIEWS.values():
     view.pop(name, None)
   ATTACK_ENTRIES[name] = AttackEntry(factory, needs)

@@ -3,7 +3,7 @@ its factory, settings, server data and default aggregator."""
 
 from __future__ import annotations
 
-from fedrobust.errors import SettingError
+from fedrobust.errors import SettingError, check_registration
 from fedrobust.methods.base import SERVER_DATA, MethodSpec
 from fedrobust.methods.fedala import FEDALA, fedala
 from fedrobust.methods.fedalt import FEDALT
@@ -50,13 +50,9 @@ def register_method(name: str, spec: MethodSpec, *,
   name; its declared settings become config keys `<name>_<setting>`.
 
   Raises:
-    ValueError: the name is taken (and not `replace`), or not an identifier.
+    ValueError: the name is taken (and not `replace`), or not a plain name.
   """
-  if not name.isidentifier():
-    raise ValueError(f'method name {name!r} must be an identifier')
-  if name in METHODS and not replace:
-    raise ValueError(f'method {name!r} is registered already; pass '
-                     'replace=True to replace it')
+  check_registration('method', name, METHODS, replace=replace)
   METHODS[name] = spec
 
 
