@@ -21,7 +21,6 @@ from fedrobust import Federation
 from fedrobust.cohort import Cohort
 from fedrobust.checkpoint import is_primary
 from fedrobust.engine.round import all_finite
-from fedrobust.federation.builder import initial_params
 from fedrobust.methods import METHODS, fedlora
 from fedrobust.transforms.base import get_path
 
@@ -195,7 +194,7 @@ def _cohort_summary(fed: Federation, state) -> dict[str, Any]:
   methods) communicated."""
   program = fed.program
   trainables = jax.eval_shape(lambda s: s.params, state)
-  fresh = initial_params(program.cohorts, fed.config['seed'])
+  full = fed.param_shapes()
   spec = METHODS[fed.config['method']]
   anchors = (int(program.server_data['anchors'].shape[0])
              if 'anchors' in program.server_data else 0)
@@ -205,7 +204,8 @@ def _cohort_summary(fed: Federation, state) -> dict[str, Any]:
                       'upload_bytes_per_client': upload_bytes(
                           c, trainables[j]),
                       'full_model_bytes': 4 * sum(
-                          int(np.size(l)) for l in jax.tree.leaves(fresh[j]))}
+                          int(np.prod(l.shape))
+                          for l in jax.tree.leaves(full[j]))}
              for j, c in enumerate(program.cohorts)}
   communication = {
       c.name: (lora_communication(

@@ -2,8 +2,6 @@
 gives the runner's model bit for bit; a user's rule and attack registered
 from outside the package run in it; bad settings are named."""
 
-import tempfile
-
 from absl.testing import absltest
 import jax
 import numpy as np
@@ -12,7 +10,7 @@ import fedrobust
 from experiments import train
 from fedrobust.aggregators import coordinatewise
 from fedrobust.attacks import model_poisoning
-from tests.main_test import base_config, write_idx
+from tests.main_test import IdxDataTestCase, base_config
 
 SETTINGS = dict(dataset='idx', model='mlp', num_clients=4,
                 clients_per_round=3, local_test_fraction=0.2, num_rounds=2,
@@ -21,19 +19,7 @@ SETTINGS = dict(dataset='idx', model='mlp', num_clients=4,
                 malicious_fraction=0.25)
 
 
-class FederationTest(absltest.TestCase):
-
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls._tmp = tempfile.TemporaryDirectory()
-    cls.data_dir = cls._tmp.name
-    write_idx(cls.data_dir)
-
-  @classmethod
-  def tearDownClass(cls):
-    cls._tmp.cleanup()
-    super().tearDownClass()
+class FederationTest(IdxDataTestCase):
 
   def test_the_api_gives_the_runners_model(self):
     fed = fedrobust.Federation(SETTINGS, data_dir=self.data_dir)

@@ -210,4 +210,8 @@ def told_when_unlearning(facts: RunFacts, kwargs: dict) -> dict[str, Any]:
   asked to unlearn them (unlearn_round > 0)."""
   if not kwargs.get('unlearn_round'):
     return {}
-  return {'forget': _provided('the aggregator', 'forget', facts)}
+  if facts.malicious is None:
+    raise SettingError('aggregator', 'is told whom to forget when '
+                       'unlearn_round > 0: it needs an attack with a fixed '
+                       'malicious set (no resample_malicious)')
+  return {'forget': np.asarray(facts.malicious)}

@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -76,16 +77,33 @@ class Federation:
     self.server_data = self.put(self.program.server_data)
     self._compiled = None
     self._evaluator = None
+    self._fresh = None
     self.compile_seconds = None
 
   # ---- State ---------------------------------------------------------------
+
+  def _fresh_params(self) -> tuple:
+    """Each cohort's freshly initialised params, made once (a pretrained
+    cohort such as MiniLM reads its weights file to make them)."""
+    if self._fresh is None:
+      self._fresh = initial_params(self.program.cohorts, self.config['seed'])
+    return self._fresh
+
+  def param_shapes(self) -> tuple:
+    """Each cohort's full model params as shapes and dtypes."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        self._fresh_params())
 
   def initial_params(self, pretrain: Callable | None = None) -> tuple:
     """Each cohort's round-0 params; with pretrain_epochs > 0, centrally
     pretrained on the public split (`pretrain(cohort, params, j, train)`
     may replace the training, e.g. with a stored backbone; `train()` runs
-    it). Returns (params tuple, {cohort name: pretraining info})."""
-    fresh = initial_params(self.program.cohorts, self.config['seed'])
+    it). Returns (params tuple, {cohort name: pretraining info}).
+
+    The params are a copy of the fresh ones, which the federation keeps:
+    a round donates its state, and with it the params it was started from.
+    """
+    fresh = jax.tree.map(jnp.copy, self._fresh_params())
     if not self.config['pretrain_epochs']:
       return fresh, {}
     out, info = [], {}
@@ -99,8 +117,7 @@ class Federation:
 
   def state_template(self) -> ServerState:
     """The server state's shapes and dtypes (placed like the state)."""
-    fresh = initial_params(self.program.cohorts, self.config['seed'])
-    template = jax.eval_shape(self._initial_state, fresh)
+    template = jax.eval_shape(self._initial_state, self.param_shapes())
     if self.replicated is None:
       return template
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
