@@ -28,12 +28,21 @@ as experiments/devices.py picks) and the client axis is sharded over them,
 as experiments/main.py does; --cpu_devices=1 times the single-device
 round.
 
+Seeds as replicas of one program (fedrobust.Replicas, main.py
+--num_seeds): --num_seeds=1,2,4,8 times the round of S replicas (each its
+own initial model and data) for each S; samples/s counts all replicas'
+examples. --replica_batch picks how many run side by side (vmap; 0: auto,
+1 on CPU, all on GPU/TPU); the others run in turn inside the program:
+
+  python benchmarks/round_throughput.py --num_seeds=1,2,4,8
+
 On a GPU, benchmarks/gpu_suite.sh runs the whole GPU table of BUILD_NOTES
 (§4b) in one command, each step under its own time limit.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -56,6 +65,7 @@ from experiments.devices import configure_cpu_devices
 from fedrobust import engine
 from fedrobust.aggregators import get_aggregator
 from fedrobust.engine.execution import STRATEGIES
+from fedrobust.federation.replicas import common_program, stack
 from fedrobust.cohort import single_cohort
 from fedrobust.methods import get_method
 from fedrobust.transforms import identity
@@ -115,6 +125,10 @@ flags.DEFINE_boolean('server_in_place', False, 'With --method: time the '
                      '(the copy doubles the state in memory).')
 flags.DEFINE_integer('total_examples', 20000, 'With --method: real '
                      'training examples split iid over the C clients.')
+flags.DEFINE_list('num_seeds', ['1'], 'Replicas of the FedAvg round in one '
+                  'program; each value is timed as its own program.')
+flags.DEFINE_integer('replica_batch', 0, 'Replicas run side by side '
+                     '(vmap); 0: auto (1 on CPU, all elsewhere).')
 flags.DEFINE_boolean('json', False, 'Print one JSON object per strategy.')
 FLAGS = flags.FLAGS
 
@@ -152,12 +166,12 @@ def step_cost(model, batch_size: int) -> dict[str, float]:
           'bytes': float(cost.get('bytes accessed', float('nan')))}
 
 
-def build_round(strategy: str, *, model_name: str, clients: int,
-                local_steps: int, batch_size: int, chunk_size: int,
-                scan_unroll: int, conv_impl: str,
-                aggregator: str = 'weighted_mean',
-                compute_dtype: str = 'float32', num_devices: int = 1):
-  """Compiles one FedAvg round; returns (run_one_round, info dict)."""
+def _fedavg_round(seed: int, *, model_name: str, clients: int,
+                  local_steps: int, batch_size: int, chunk_size: int,
+                  scan_unroll: int, conv_impl: str, aggregator: str,
+                  compute_dtype: str, strategy: str, num_devices: int):
+  """One FedAvg federation of seed `seed`: (round fn, state, data, model,
+  info fields)."""
   model = get_model(model_name, num_classes=10, input_shape=(28, 28, 1),
                     conv_impl=conv_impl,
                     dtype=None if compute_dtype == 'float32' else
@@ -177,38 +191,72 @@ def build_round(strategy: str, *, model_name: str, clients: int,
                               chunk_size=chunk_size if strategy == 'chunked'
                               else 0, num_devices=num_devices)
   mesh = engine.client_mesh(num_devices) if num_devices > 1 else None
-  step = jax.jit(engine.make_round_step(method, config, mesh=mesh),
-                 donate_argnums=0)
-  data = synthetic_data(clients, local_steps * batch_size)
-  state = engine.init_server_state(method, model.init(jax.random.key(0)),
-                                   clients, seed=0)
+  data = synthetic_data(clients, local_steps * batch_size, seed)
+  state = engine.init_server_state(method, model.init(jax.random.key(seed)),
+                                   clients, seed=seed)
   if mesh is not None:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     data, state = jax.device_put((data, state), replicated)
+  return (engine.make_round_step(method, config, mesh=mesh), state, data,
+          model, chunk_size)
+
+
+def build_round(strategy: str, *, model_name: str, clients: int,
+                local_steps: int, batch_size: int, chunk_size: int,
+                scan_unroll: int, conv_impl: str,
+                aggregator: str = 'weighted_mean',
+                compute_dtype: str = 'float32', num_devices: int = 1,
+                num_seeds: int = 1, replica_batch: int = 0):
+  """Compiles one FedAvg round (of num_seeds replicas); returns
+  (run_one_round, info dict)."""
+  parts = [_fedavg_round(
+      seed, model_name=model_name, clients=clients, local_steps=local_steps,
+      batch_size=batch_size, chunk_size=chunk_size, scan_unroll=scan_unroll,
+      conv_impl=conv_impl, aggregator=aggregator,
+      compute_dtype=compute_dtype, strategy=strategy,
+      num_devices=num_devices) for seed in range(num_seeds)]
+  model, chunk_size = parts[0][3], parts[0][4]
+  batch = replica_batch or (1 if jax.default_backend() == 'cpu'
+                            else num_seeds)
   t0 = time.perf_counter()
-  compiled = step.lower(state, data, ()).compile()
+  if num_seeds == 1:
+    fn, state, data = parts[0][:3]
+    step = jax.jit(fn, donate_argnums=0)
+    compiled = step.lower(state, data, ()).compile()
+    call = lambda s: compiled(s, data, ())
+  else:
+    fn, consts = common_program(
+        [p[0] for p in parts], [(p[1], p[2], ()) for p in parts],
+        what='round', seeds=list(range(num_seeds)), batch=batch)
+    state, data = stack([p[1] for p in parts]), stack([p[2] for p in parts])
+    compiled = jax.jit(fn, donate_argnums=1).lower(
+        consts, state, data, ()).compile()
+    call = lambda s: compiled(consts, s, data, ())
   compile_seconds = time.perf_counter() - t0
-  state, _ = compiled(state, data, ())           # first run: allocations
+  state, _ = call(state)                         # first run: allocations
   jax.block_until_ready(state)
   box = [state]
 
   def run_one() -> float:
     t0 = time.perf_counter()
-    box[0], metrics = compiled(box[0], data, ())
+    box[0], metrics = call(box[0])
     jax.block_until_ready((box[0], metrics))
     return time.perf_counter() - t0
 
   cost = step_cost(model, batch_size)
+  steps = num_seeds * clients * local_steps
   info = {
       'model': model_name, 'clients': clients, 'local_steps': local_steps,
       'batch_size': batch_size, 'client_execution': strategy,
       'chunk_size': chunk_size if strategy == 'chunked' else None,
       'scan_unroll': scan_unroll, 'conv_impl': conv_impl,
       'aggregator': aggregator, 'compute_dtype': compute_dtype,
-      'num_devices': num_devices, 'compile_seconds': compile_seconds,
+      'num_devices': num_devices, 'num_seeds': num_seeds,
+      'replica_batch': min(batch, num_seeds),
+      'compile_seconds': compile_seconds,
       'program_mb': method_rounds.program_memory_mb(compiled),
-      'flops_per_round': cost['flops'] * clients * local_steps,
-      'bytes_per_round': cost['bytes'] * clients * local_steps,
+      'flops_per_round': cost['flops'] * steps,
+      'bytes_per_round': cost['bytes'] * steps,
       'backend': jax.default_backend(),
       'device_kind': jax.devices()[0].device_kind,
   }
@@ -231,7 +279,8 @@ def time_round(strategy: str, *, rounds: int, **kwargs) -> dict:
   """Compiles and times one FedAvg round program (median of warm rounds)."""
   run_one, info = build_round(strategy, **kwargs)
   round_seconds = statistics.median(run_one() for _ in range(rounds))
-  samples = info['clients'] * info['local_steps'] * info['batch_size']
+  samples = (info['num_seeds'] * info['clients'] * info['local_steps'] *
+             info['batch_size'])
   return dict(info, samples_per_second=samples / round_seconds,
               round_seconds=round_seconds, peak_rss_mb=peak_rss_mb(),
               device_peak_mb=device_peak_mb())
@@ -351,9 +400,19 @@ def main(argv):
   num_devices = configure_cpu_devices(FLAGS.cpu_devices, FLAGS.clients)
   if jax.default_backend() != 'cpu':
     num_devices = jax.local_device_count()
+  seeds = [int(v) for v in FLAGS.num_seeds]
   if FLAGS.method:
+    if seeds != [1]:
+      raise app.UsageError('--num_seeds times the FedAvg round; it does not '
+                           'apply with --method')
     run_methods(num_devices)   # the client axis sharded, as main.py does
     return
+  if min(seeds) < 1:
+    raise app.UsageError(f'--num_seeds={FLAGS.num_seeds}: each value must '
+                         'be >= 1')
+  if FLAGS.reference == 'torch' and seeds != [1]:
+    raise app.UsageError('--reference=torch times one seed: leave '
+                         '--num_seeds=1')
   if FLAGS.client_execution == 'all':
     strategies = STRATEGIES
   elif FLAGS.client_execution == 'auto':
@@ -364,8 +423,10 @@ def main(argv):
                else FLAGS.conv_impl)
   timer = side_by_side if FLAGS.reference == 'torch' else time_round
   results = []
-  for strategy in strategies:
-    result = timer(strategy, model_name=FLAGS.model,
+  for strategy, num_seeds in itertools.product(strategies, seeds):
+    extra = ({'num_seeds': num_seeds, 'replica_batch': FLAGS.replica_batch}
+             if timer is time_round else {})
+    result = timer(strategy, **extra, model_name=FLAGS.model,
                    clients=FLAGS.clients, local_steps=FLAGS.local_steps,
                    batch_size=FLAGS.batch_size, chunk_size=FLAGS.chunk_size,
                    scan_unroll=FLAGS.scan_unroll, conv_impl=conv_impl,
@@ -379,11 +440,12 @@ def main(argv):
       print(json.dumps(result), flush=True)
   if not FLAGS.json:
     print(f"{'execution':<12} {'conv':<7} {'unroll':>6} {'devices':>7} "
-          f"{'samples/s':>10} {'round s':>8} {'compile s':>9} {'GFLOP/rnd':>9} "
-          f"{'RSS MB':>7}")
+          f"{'seeds':>5} {'samples/s':>10} {'round s':>8} {'compile s':>9} "
+          f"{'GFLOP/rnd':>9} {'RSS MB':>7}")
     for r in results:
       print(f"{r['client_execution']:<12} {r['conv_impl']:<7} "
             f"{r['scan_unroll']:>6} {r['num_devices']:>7} "
+            f"{r.get('num_seeds', 1):>5} "
             f"{r['samples_per_second']:>10,.0f} "
             f"{r['round_seconds']:>8.3f} {r['compile_seconds']:>9.1f} "
             f"{r['flops_per_round'] / 1e9:>9.2f} {r['peak_rss_mb']:>7.0f}")

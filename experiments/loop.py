@@ -17,9 +17,10 @@ import numpy as np
 from absl import logging
 
 from experiments import workdir as workdir_lib
-from experiments.summary import _fmt, client_aucs
+from experiments.summary import _fmt, client_aucs, replica_rows
 from experiments.workdir import WorkdirError
 from fedrobust import Federation
+from fedrobust.federation import combine_rows
 from fedrobust.checkpoint import (CheckpointSpaceError, Checkpointer,
                                   is_primary)
 from fedrobust.engine.detection import DETECTION_KEYS, detection_rates
@@ -32,20 +33,38 @@ class Writers(NamedTuple):
 
 
 class Progress:
-  """What the host loop accumulates: the metrics rows, the cumulative
-  detection counts, skipped and diverged rounds, round times."""
+  """What the host loop accumulates: the metrics rows, and per replica
+  (one without --num_seeds) the cumulative detection counts, skipped and
+  diverged rounds; the round times."""
 
-  def __init__(self, rows, ledger):
+  def __init__(self, rows, ledgers: list[dict[str, Any]]):
     self.rows = rows
-    self.detection_totals = dict(ledger['detection_totals'])
-    self.skipped = list(ledger['skipped_rounds'])
-    self.diverged_at = None
+    self.totals = [dict(l['detection_totals']) for l in ledgers]
+    self.skipped_each = [list(l['skipped_rounds']) for l in ledgers]
+    self.diverged_each: list[int | None] = [None] * len(ledgers)
     self.preempted_at = None
     self.round_times = []
 
+  @property
+  def detection_totals(self) -> dict[str, float]:
+    return self.totals[0]
+
+  @property
+  def skipped(self) -> list[int]:
+    """Rounds skipped as non-finite (by any replica)."""
+    return sorted(set().union(*self.skipped_each))
+
+  @property
+  def diverged_at(self) -> int | None:
+    """The first round a replica's model diverged in."""
+    return min((r for r in self.diverged_each if r), default=None)
+
   def ledger(self, evaluated: bool) -> dict[str, Any]:
-    return {'detection_totals': self.detection_totals,
-            'skipped_rounds': self.skipped, 'metrics_row': evaluated}
+    each = [{'detection_totals': t, 'skipped_rounds': s}
+            for t, s in zip(self.totals, self.skipped_each)]
+    if len(each) == 1:
+      return dict(each[0], metrics_row=evaluated)
+    return {'replicas': each, 'metrics_row': evaluated}
 
 
 def read_logs(config: dict[str, Any], start_round: int, restored,
@@ -72,16 +91,21 @@ def read_logs(config: dict[str, Any], start_round: int, restored,
   # --checkpoint_every and --eval_every are; a step saved by an older
   # version has none, and they continue from the last logged row.
   ledger = checkpointer.ledger(restored[0]) if restored is not None else None
+  num_seeds = config['num_seeds']
   if ledger is None:
-    ledger = {
-        'detection_totals': {k: (rows[-1].get('cumulative_' + k, 0.0)
-                                 if rows else 0.0) for k in DETECTION_KEYS},
-        'skipped_rounds': list(rows[-1].get('skipped_rounds', []))
-                          if rows else []}
+    ledgers = [{
+        'detection_totals': {k: (own[-1].get('cumulative_' + k, 0.0)
+                                 if own else 0.0) for k in DETECTION_KEYS},
+        'skipped_rounds': list(own[-1].get('skipped_rounds', []))
+                          if own else []}
+               for own in replica_rows(rows, num_seeds)]
+    ledger = {}
+  else:
+    ledgers = ledger.get('replicas', [ledger])
   lost = [] if restored is None else missing_rounds(
       rows, start_round, config['eval_every'],
       bool(ledger.get('metrics_row')))
-  return Progress(rows, ledger), logged, lost, missing
+  return Progress(rows, ledgers), logged, lost, missing
 
 
 def _round_line(rnd: int, num_rounds: int, metrics, seconds: float,
@@ -96,6 +120,8 @@ def _round_line(rnd: int, num_rounds: int, metrics, seconds: float,
   if row is None:
     return line
   line += f" test_acc {_fmt(row['test_accuracy'])}"
+  if row.get('test_accuracy_std') is not None:     # replicas: mean ± std
+    line += f" ± {_fmt(row['test_accuracy_std'])}"
   if row.get('local_accuracy') is not None:
     line += f" local_acc {_fmt(row['local_accuracy'])}"
   if 'attack_success_rate' in row:
@@ -108,17 +134,16 @@ def _round_line(rnd: int, num_rounds: int, metrics, seconds: float,
   return line
 
 
-def _count_detection(progress: Progress, metrics, threat) -> None:
-  """Adds the round's detection counts to the totals and the rates to the
-  round's metrics."""
+def _count_detection(totals: dict[str, float], metrics, threat) -> None:
+  """Adds the round's detection counts to a replica's totals and the
+  rates to the round's metrics."""
   if 'det_tp' not in metrics or threat.threat is None:
     return
-  for key in progress.detection_totals:
-    progress.detection_totals[key] += float(metrics[key])
+  for key in totals:
+    totals[key] += float(metrics[key])
   metrics.update(detection_rates(metrics, ''))
-  metrics.update(detection_rates(progress.detection_totals, 'cumulative_'))
-  metrics.update({'cumulative_' + k: v
-                  for k, v in progress.detection_totals.items()})
+  metrics.update(detection_rates(totals, 'cumulative_'))
+  metrics.update({'cumulative_' + k: v for k, v in totals.items()})
 
 
 def _save(checkpointer: Checkpointer, rnd: int, state, ledger, workdir):
@@ -132,53 +157,69 @@ def _save(checkpointer: Checkpointer, rnd: int, state, ledger, workdir):
         'the last step') from err
 
 
+def _replica_round(progress: Progress, i: int, rnd: int, metrics,
+                   config: dict[str, Any], threat):
+  """Replica i's host bookkeeping of round `rnd`: its per-client rows,
+  skipped or diverged round and detection counts. Returns (per-client
+  rows, whether its model is not finite)."""
+  clients = client_rows(metrics.pop('clients', None))
+  nonfinite = bool(metrics['nonfinite_model'])
+  if nonfinite and config['on_divergence'] == 'skip_round':
+    progress.skipped_each[i].append(rnd)
+    logging.warning('round %d: the aggregated model is not finite; the '
+                    "round's update is dropped (--on_divergence="
+                    'skip_round, %d skipped so far)', rnd,
+                    len(progress.skipped_each[i]))
+  elif nonfinite and progress.diverged_each[i] is None:
+    progress.diverged_each[i] = rnd
+  _count_detection(progress.totals[i], metrics, threat)
+  return clients, nonfinite
+
+
 def _one_round(fed: Federation, state, rnd: int, progress: Progress,
                writers: Writers, tracker, preemption):
   """Runs, logs and (when due) evaluates round `rnd`. Returns (state,
   evaluated, stop): stop when the model diverged under --on_divergence=
-  stop."""
+  stop. With replicas every row carries each replica's values and their
+  mean and std (fedrobust.federation.combine_rows)."""
   config = fed.config
   num_rounds, on_divergence = config['num_rounds'], config['on_divergence']
   workdir = config['workdir']
   t0 = time.perf_counter()
-  state, metrics = fed.step(state)
+  state, each = fed.step_each(state)
   seconds = time.perf_counter() - t0
-  clients = client_rows(metrics.pop('clients', None))
-  nonfinite = bool(metrics['nonfinite_model'])
-  if nonfinite and on_divergence == 'skip_round':
-    progress.skipped.append(rnd)
-    logging.warning('round %d: the aggregated model is not finite; the '
-                    "round's update is dropped (--on_divergence="
-                    'skip_round, %d skipped so far)', rnd,
-                    len(progress.skipped))
-  elif nonfinite and progress.diverged_at is None:
-    progress.diverged_at = rnd
-  _count_detection(progress, metrics, fed.program.threat)
+  done = [_replica_round(progress, i, rnd, m, config, fed.program.threat)
+          for i, m in enumerate(each)]
   progress.round_times.append(seconds)
-  samples = float(metrics['examples']) * config['local_epochs']
-  stop = nonfinite and on_divergence == 'stop'
+  samples = sum(float(m['examples']) for m in each) * config['local_epochs']
+  stop = any(n for _, n in done) and on_divergence == 'stop'
   # Asked at every round boundary: under jax.distributed a collective
   # that every process joins, so all stop after the same round.
   if not stop and rnd < num_rounds and preemption.requested():
     progress.preempted_at = rnd
   if config['log_clients']:
-    writers.row(os.path.join(workdir, 'rounds.jsonl'), dict(
-        {'round': rnd}, **{k: float(v) for k, v in metrics.items()},
-        round_seconds=seconds, **({'clients': clients} if clients else {})))
+    writers.row(os.path.join(workdir, 'rounds.jsonl'), combine_rows([dict(
+        {'round': rnd}, **{k: float(v) for k, v in m.items()},
+        round_seconds=seconds, **({'clients': c} if c else {}))
+        for m, (c, _) in zip(each, done)], fed.seeds))
   row = None
   if rnd % config['eval_every'] == 0 or rnd == num_rounds or stop:
     t_eval = time.perf_counter()
-    evaluation = fed.evaluate(state)
-    row = metrics_row(rnd, evaluation, metrics, seconds=seconds,
-                      samples=samples,
-                      eval_seconds=time.perf_counter() - t_eval,
-                      clients=clients, skipped=progress.skipped)
+    evaluations = fed.evaluate_each(state)
+    eval_seconds = time.perf_counter() - t_eval
+    row = combine_rows([
+        metrics_row(rnd, e, m, seconds=seconds, samples=samples,
+                    eval_seconds=eval_seconds, clients=c,
+                    skipped=progress.skipped_each[i])
+        for i, (e, m, (c, _)) in enumerate(zip(evaluations, each, done))],
+                       fed.seeds)
     progress.rows.append(row)
     writers.row(os.path.join(workdir, 'metrics.jsonl'), row)
     tracker.log(row)
   eta = np.mean(progress.round_times[-5:]) * (num_rounds - rnd)
-  logging.info('%s eta %.0fs', _round_line(rnd, num_rounds, metrics,
-                                           seconds, samples, row), eta)
+  logging.info('%s eta %.0fs', _round_line(
+      rnd, num_rounds, combine_rows(each, fed.seeds), seconds, samples,
+      row), eta)
   return state, row is not None, stop
 
 

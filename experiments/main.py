@@ -38,6 +38,8 @@ def define_flags(settings: dict) -> None:
   """One absl flag per setting, typed by its default."""
   for name, s in settings.items():
     default = s.default
+    if name in flags.FLAGS and flags.FLAGS[name].default == default:
+      continue      # sweep.py's --num_seeds, where both are imported
     if s.choices:
       flags.DEFINE_enum(name, default, list(s.choices), s.help)
     elif isinstance(default, bool):

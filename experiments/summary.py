@@ -21,6 +21,7 @@ from fedrobust import Federation
 from fedrobust.cohort import Cohort
 from fedrobust.checkpoint import is_primary
 from fedrobust.engine.round import all_finite
+from fedrobust.federation import combine_rows
 from fedrobust.methods import METHODS, fedlora
 from fedrobust.transforms.base import get_path
 
@@ -148,7 +149,13 @@ def plot_curves(path: str, rows: list[dict[str, Any]], title: str) -> None:
   for key, label in keys:
     values = [r.get(key) for r in rows]
     if any(v is not None for v in values):
-      ax.plot(rounds, values, marker='.', label=label)
+      line, = ax.plot(rounds, values, marker='.', label=label)
+      spread = [r.get(key + '_std') for r in rows]
+      if all(v is not None for v in values + spread):
+        # Replicas (--num_seeds): the mean and a band of one std.
+        mean, std = np.asarray(values), np.asarray(spread)
+        ax.fill_between(rounds, mean - std, mean + std, alpha=0.2,
+                        color=line.get_color(), linewidth=0)
   ax.set_xlabel('round')
   ax.set_ylabel('accuracy')
   ax.set_ylim(0, 1)
@@ -165,15 +172,6 @@ HEADLINE = ('test_accuracy', 'local_accuracy', 'local_accuracy_p10',
             'attack_success_rate',
             'backdoor_failure_rate', 'tradeoff_v', 'robust_accuracy',
             'clean_target_rate')
-
-
-def _status(state, progress, on_divergence: str) -> str:
-  final_finite = bool(jax.device_get(all_finite(state.params)))
-  status = 'completed' if final_finite and not (
-      progress.diverged_at and on_divergence == 'stop') else 'diverged'
-  if status == 'completed' and progress.preempted_at:
-    status = 'preempted'
-  return status
 
 
 def _last5(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -216,40 +214,94 @@ def _cohort_summary(fed: Federation, state) -> dict[str, Any]:
   return {'cohorts': cohorts, 'communication': communication}
 
 
+def replica_rows(rows: list[dict[str, Any]], num_seeds: int
+                 ) -> list[list[dict[str, Any]]]:
+  """Each replica's own rows of a run's (combined) rows."""
+  if num_seeds == 1:
+    return [rows]
+  return [[r['replicas'][i] for r in rows if 'replicas' in r]
+          for i in range(num_seeds)]
+
+
 def summarize(fed: Federation, state, progress,
              timing: dict[str, Any]) -> dict[str, Any]:
-  """summary.json's content."""
+  """summary.json's content. With replicas (--num_seeds) 'final' and
+  'final_mean_last5' hold the means over the replicas with '<key>_std'
+  beside them, 'replicas' each replica's own summary (seed, status,
+  finals, params_sha256) and 'params_sha256' one hash per replica."""
   config, program = fed.config, fed.program
   workdir = config['workdir']
-  status = _status(state, progress, config['on_divergence'])
-  newcomers = {}
-  if program.unseen is not None and status == 'completed':
-    newcomers = fed.adapt_unseen(state)
-  describe = program.method.describe
+  each = [_replica_summary(fed.replica(i), fed.replica_state(state, i),
+                           own, progress.skipped_each[i],
+                           progress.diverged_each[i], progress)
+          for i, own in enumerate(replica_rows(progress.rows,
+                                                fed.num_seeds))]
+  if fed.num_seeds == 1:
+    first = each[0]
+  else:
+    first = {
+        'status': next((e['status'] for e in each
+                        if e['status'] not in ('completed', 'stopped')),
+                       'completed'),
+        'final_mean_last5': combine_rows(
+            [e['final_mean_last5'] for e in each], fed.seeds),
+        'params_sha256': [e['params_sha256'] for e in each],
+        'replicas': [dict(e, seed=seed, client_size=size)
+                     for e, seed, size in zip(each, fed.seeds,
+                                              fed.client_sizes)]}
+    first['final_mean_last5'].pop('replicas', None)
+  one = fed.replica(0)
   return {
-      'status': status,
+      'status': first['status'],
       'final': progress.rows[-1] if progress.rows else {},
-      'final_mean_last5': _last5(progress.rows),
-      'rounds_completed': int(state.round),
+      'final_mean_last5': first['final_mean_last5'],
+      'rounds_completed': int(np.max(np.asarray(state.round))),
       'skipped_rounds': progress.skipped,
       'diverged_round': progress.diverged_at,
       'config': {k: v for k, v in config.items()
                  if k not in ('overwrite', 'force_overwrite')},
       'resolved': {k: v for k, v in program.resolved.items()
                    if k != 'backend'},
-      **_cohort_summary(fed, state),
-      **(describe(state.method_state, program.setup.client_groups)
-         if describe is not None else {}),
-      **newcomers,
+      **_cohort_summary(one, fed.replica_state(state, 0)),
+      **{k: v for k, v in first.items()
+         if k not in ('status', 'final_mean_last5')},
       **timing,
       'packages': package_versions(),
       'device': device_info(),
-      'params_sha256': params_sha256(state.params),
       'files': {name: os.path.abspath(os.path.join(workdir, file))
                 for name, file in (('summary', 'summary.json'),
                                    ('curves', 'curves.png'),
                                    ('metrics', 'metrics.jsonl'))},
   }
+
+
+def _replica_summary(fed: Federation, state, rows, skipped, diverged_at,
+                     progress) -> dict[str, Any]:
+  """One replica's status, finals, method description, newcomers and
+  params hash."""
+  program = fed.program
+  final_finite = bool(jax.device_get(all_finite(state.params)))
+  status = 'completed' if final_finite and not (
+      diverged_at and fed.config['on_divergence'] == 'stop') else 'diverged'
+  if status == 'completed' and progress.preempted_at:
+    status = 'preempted'
+  if (status == 'completed' and progress.diverged_at and
+      fed.config['on_divergence'] == 'stop'):
+    status = 'stopped'           # another replica diverged: all stopped
+  newcomers = {}
+  if program.unseen is not None and status == 'completed':
+    newcomers = fed.adapt_unseen(state)
+  describe = program.method.describe
+  return {
+      'status': status,
+      'final': rows[-1] if rows else {},
+      'final_mean_last5': _last5(rows),
+      'skipped_rounds': skipped,
+      'diverged_round': diverged_at,
+      **(describe(state.method_state, program.setup.client_groups)
+         if describe is not None else {}),
+      **newcomers,
+      'params_sha256': params_sha256(state.params)}
 
 
 def client_aucs(clients: dict[str, list]) -> dict[str, float | None]:
@@ -290,10 +342,20 @@ def format_summary(summary: dict[str, Any]) -> str:
   if summary['skipped_rounds']:
     lines[0] += (f" ({len(summary['skipped_rounds'])} skipped as "
                  f"non-finite: {summary['skipped_rounds']})")
+  def value(row, key):
+    out = _fmt(row.get(key))
+    if row.get(key + '_std') is not None:
+      out += f" ± {_fmt(row[key + '_std'])}"
+    return out
+
+  seeds = final.get('seeds')
+  if seeds:
+    lines.append(f'  {len(seeds)} seeds {seeds}: mean ± std (ddof 1) over '
+                 'them')
   for key, label in names:
     if final.get(key) is not None or last5.get(key) is not None:
-      lines.append(f'  {label:<30} final {_fmt(final.get(key))}   last-5 '
-                   f'mean {_fmt(last5.get(key))}')
+      lines.append(f'  {label:<30} final {value(final, key)}   last-5 '
+                   f'mean {value(last5, key)}')
   files = summary['files']
   lines.append(f"  summary  {files['summary']}")
   lines.append(f"  curves   {files['curves']}")
@@ -310,6 +372,11 @@ def write_outputs(fed: Federation, summary: dict[str, Any], rows,
   if rows and is_primary():
     title = (f"{config['method']} / {config['dataset']} / "
              f"{config['cohorts'] or config['model']}")
-    plot_curves(os.path.join(workdir, 'curves.png'), rows, title)
-    if any('clients' in r for r in rows):
-      plot_clients(os.path.join(workdir, 'clients.png'), rows, title)
+    plot_curves(os.path.join(workdir, 'curves.png'), rows, title + (
+        f' ({fed.num_seeds} seeds, mean ± std)' if fed.num_seeds > 1
+        else ''))
+    first = replica_rows(rows, fed.num_seeds)[0]     # the first seed's
+    if any('clients' in r for r in first):
+      plot_clients(os.path.join(workdir, 'clients.png'), first,
+                   title + (f" seed {config['seed']}" if fed.num_seeds > 1
+                            else ''))

@@ -19,7 +19,11 @@ Krum with n < 2f+3) is recorded with the error instead of a number.
 
 Outputs in --out: <name>.csv, <name>.md and <name>.png (bar plot of the
 first metric). Final values are means over the last --last_k evaluated
-rounds (SDFC reports the mean of the last five). With --reference=PAPER:TABLE
+rounds (SDFC reports the mean of the last five). With --num_seeds=S each
+cell runs S seeds as replicas of one program (main.py --num_seeds); a
+value is then the mean over the seeds of each seed's final value, its
+sample std (ddof 1) beside it: tables print `84.50 ± 0.70`, the CSV has a
+`<metric>_std` column and the bars carry error bars. With --reference=PAPER:TABLE
 the table and CSV put the paper's number beside each of ours (see
 experiments/reference.py); the setting is read from each run's config.
 """
@@ -90,6 +94,10 @@ flags.DEFINE_string('marks', None, 'JSON file {"flag=v;flag2=v2": "why"}: '
                     'cells marked implausible against the literature; the '
                     'table marks them and lists the reasons below it (a '
                     'key may name a subset of the columns).')
+if 'num_seeds' not in flags.FLAGS:   # main.py's own, where both are imported
+  flags.DEFINE_integer('num_seeds', 1, 'Seeds per cell, run as replicas of '
+                       'one program (main.py --num_seeds); values are mean '
+                       '± std over them.', lower_bound=1)
 flags.DEFINE_boolean('dry_run', False, 'Print the cells and exit.')
 flags.DEFINE_integer('max_cells', 0, 'Run only the first N cells of the '
                      'grid (0: all); the tables hold those. A quick check '
@@ -159,6 +167,8 @@ def cell_flags(cell: dict[str, str], axes: dict[str, dict[str, dict]]
       out += axes[key][value]['flags']
     else:
       out.append(f'--{key}={value}')
+  if FLAGS.num_seeds > 1:
+    out.append(f'--num_seeds={FLAGS.num_seeds}')
   return out
 
 
@@ -174,8 +184,10 @@ def paper_name(cell: dict[str, str], axes: dict[str, dict[str, dict]]
 
 
 def cell_workdir(cell: dict[str, str]) -> str:
+  # A cell of several seeds is another run than its one-seed cell.
+  seeds = f'_seeds{FLAGS.num_seeds}' if FLAGS.num_seeds > 1 else ''
   return os.path.join(FLAGS.runs_dir, FLAGS.runs_name or FLAGS.name,
-                      cell_name(cell))
+                      cell_name(cell) + seeds)
 
 
 def cell_name(cell: dict[str, str]) -> str:
@@ -235,23 +247,44 @@ SUMMARY_METRICS = {'upload_bytes': upload_bytes,
 
 def read_final(workdir: str, metrics: list[str], last_k: int
                ) -> dict[str, float | int | None]:
-  rows = []
+  """Each metric's mean over the last `last_k` evaluated rounds. A run of
+  several seeds (replicas) gives the mean over the seeds of each seed's
+  value, with its sample std (ddof 1) as '<metric>_std'."""
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f if line.strip()]
-  summary = {}
-  if os.path.exists(os.path.join(workdir, 'summary.json')):
-    with open(os.path.join(workdir, 'summary.json')) as f:
-      summary = json.load(f)
+  summary = _summary(workdir) or {}
+  replicas = summary.get('replicas')
+  # Without a summary (a cell read before it ended) the rows say.
+  seeds = (len(replicas) if replicas else
+           len(rows[-1].get('replicas', ())) if rows else 0) or 1
+  if seeds > 1 and not replicas:
+    replicas = [{}] * seeds
+  if seeds > 1:
+    each_rows = [[r['replicas'][i] for r in rows if 'replicas' in r]
+                 for i in range(seeds)]
+  else:
+    each_rows, replicas = [rows], [summary]
   out = {}
   for m in metrics:
     if m in SUMMARY_METRICS:
       out[m] = SUMMARY_METRICS[m](workdir)
       continue
-    values = [r[m] for r in rows[-last_k:] if r.get(m) is not None]
-    # Run-level figures (cluster_ari, unseen_accuracy) live in summary.json.
-    if not values and isinstance(summary.get(m), (int, float)):
-      values = [summary[m]]
-    out[m] = sum(values) / len(values) if values else None
+    each = []
+    for own, own_summary in zip(each_rows, replicas):
+      values = [r[m] for r in own[-last_k:] if r.get(m) is not None]
+      # Run-level figures (cluster_ari, unseen_accuracy) live in
+      # summary.json.
+      if not values and isinstance(own_summary.get(m), (int, float)):
+        values = [own_summary[m]]
+      if values:
+        each.append(sum(values) / len(values))
+    out[m] = sum(each) / len(each) if len(each) == seeds else None
+    if seeds > 1 and out[m] is not None:
+      mean = out[m]
+      out[f'{m}_std'] = (sum((v - mean) ** 2 for v in each) /
+                         (seeds - 1)) ** 0.5
+  if seeds > 1:
+    out['seeds'] = seeds
   return out
 
 
@@ -426,8 +459,9 @@ def merged_rows(sources: list, metrics: list[str],
     with open(path, newline='') as f:
       reader = csv.DictReader(f)
       cols = [c for c in reader.fieldnames or ()
-              if c not in metrics and c not in ('status', 'note', 'source')
-              and not c.startswith('paper_')]
+              if c not in metrics and c not in ('status', 'note', 'source',
+                                                'seeds')
+              and not c.startswith('paper_') and not c.endswith('_std')]
       keys += [c for c in list(cols) + list(own) if c not in keys]
       for raw in reader:
         row = {c: raw[c] for c in cols}
@@ -435,6 +469,8 @@ def merged_rows(sources: list, metrics: list[str],
         row['note'] = raw.get('note') or ''
         for m in metrics:
           row[m] = number(raw.get(m))
+          if raw.get(f'{m}_std'):
+            row[f'{m}_std'] = number(raw[f'{m}_std'])
           if f'paper_{m}' in raw:
             row[f'paper_{m}'] = number(raw[f'paper_{m}'])
         for c in ('paper_method', 'paper_setting'):
@@ -472,10 +508,22 @@ def _format(v, column: str = '') -> str:
   return f'{100 * v:.2f}' if isinstance(v, float) else str(v)
 
 
+def _cell(r: dict, column: str) -> str:
+  """A result's table cell: the value, '± std' where seeds give one."""
+  out = _format(r.get(column), column)
+  std = r.get(f'{column}_std')
+  if out and std is not None:
+    out += f' ± {_format(std, column)}'
+  return out
+
+
 def _write_csv(name: str, results: list[dict], keys: list[str],
                columns: list[str], extra: list[str], marks) -> None:
   with open(os.path.join(FLAGS.out, f'{name}.csv'), 'w', newline='') as f:
-    fields = keys + columns + ['status', 'note'] + extra
+    spread = [f'{c}_std' for c in columns
+              if any(r.get(f'{c}_std') is not None for r in results)]
+    fields = keys + columns + spread + ['status', 'note'] + extra + (
+        ['seeds'] if any(r.get('seeds') for r in results) else [])
     writer = csv.DictWriter(f, fieldnames=fields)
     writer.writeheader()
     for r in results:
@@ -494,7 +542,7 @@ def _table_lines(results: list[dict], keys: list[str], columns: list[str],
   for r in results:
     cells = [str(r[k]) for k in keys]
     if r['status'] == 'ok':
-      cells += [_format(r.get(c), c) for c in columns]
+      cells += [_cell(r, c) for c in columns]
       mark = mark_of(r, marks)
       if mark:
         cells[len(keys)] += f' (!{mark})'
@@ -557,8 +605,13 @@ def _plot_bars(name: str, results: list[dict], keys: list[str],
   width = 0.8 / len(metrics)
   for i, m in enumerate(metrics):
     scale = 1 if m in RAW_METRICS else 100
+    spread = [r.get(f'{m}_std') for r in ok]
     ax.bar([j + i * width for j in range(len(ok))],
-           [scale * (r.get(m) or 0) for r in ok], width, label=m)
+           [scale * (r.get(m) or 0) for r in ok], width, label=m,
+           # Seeds (--num_seeds): one std either side.
+           yerr=([scale * (v or 0) for v in spread]
+                 if any(v is not None for v in spread) else None),
+           capsize=2)
   ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ok))])
   ax.set_xticklabels(labels, rotation=60, ha='right', fontsize=8)
   ax.set_ylabel('%' if shown else ', '.join(metrics))
@@ -604,8 +657,7 @@ def write_pivot(name: str, results: list[dict], row_key: str, col_key: str,
       elif r['status'] != 'ok':
         cells.append(r['status'])
       else:
-        v = r.get(metric)
-        cells.append('' if v is None else f'{100 * v:.2f}')
+        cells.append(_cell(r, metric))
     lines.append(f'| {row} | ' + ' | '.join(cells) + ' |')
   with open(os.path.join(FLAGS.out, f'{name}_pivot.md'), 'w') as f:
     f.write(f'<!-- generated by experiments/sweep.py --name={name}: '

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any, Iterable
 
 TENSORBOARD_DIR = 'tensorboard'
@@ -50,9 +51,13 @@ class TensorBoard:
   def __init__(self, workdir: str, keep_through: int | None):
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
     self.logdir = os.path.join(workdir, TENSORBOARD_DIR)
+    # A file name of its own: event files are named by the second, and a
+    # run resumed within the same second would otherwise reopen (and
+    # truncate) the earlier attempt's file.
     self._writer = SummaryWriter(
         self.logdir,
-        purge_step=None if keep_through is None else keep_through + 1)
+        purge_step=None if keep_through is None else keep_through + 1,
+        filename_suffix=f'.{time.time_ns()}')
 
   def log(self, row: dict[str, Any]) -> None:
     step = int(row['round'])

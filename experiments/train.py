@@ -24,6 +24,7 @@ Files in the workdir:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from typing import Any, NamedTuple
@@ -39,11 +40,12 @@ from experiments import config as config_lib
 from experiments import workdir as workdir_lib
 from experiments.devices import configure_cpu_devices
 from experiments.workdir import ConfigMismatchError, WorkdirError  # noqa
-from fedrobust import Federation
+from fedrobust import Federation, Replicas
 from fedrobust.checkpoint import (CheckpointError, Checkpointer, barrier,
                                   is_primary)
 from fedrobust.data import DEFAULT_FASHION_MNIST_DIR, DataNotFoundError  # noqa
 from fedrobust.errors import SettingError
+from fedrobust.federation import combine_rows
 
 from fedrobust.federation.builder import (  # noqa: F401 (analysis tools)
     Program, anchor_inputs, build, check_settings, initial_params,
@@ -69,8 +71,11 @@ class FlagError(ValueError):
 
 
 def default_workdir(config: dict[str, Any]) -> str:
+  seeds = str(config['seed'])
+  if config['num_seeds'] > 1:
+    seeds += f"-{config['seed'] + config['num_seeds'] - 1}"
   return os.path.join('runs', f"{config['method']}_{config['dataset']}_"
-                      f"{config['model']}_s{config['seed']}")
+                      f"{config['model']}_s{seeds}")
 
 
 class DivergenceError(RuntimeError):
@@ -118,7 +123,8 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
       config['cpu_devices'], config['clients_per_round'],
       strata=(config['sample_strata'] if config['client_data'] == 'sharded'
               else 1))
-  fed = Federation(config)
+  # Several seeds run as replicas of one program (fedrobust.Replicas).
+  fed = (Replicas if config['num_seeds'] > 1 else Federation)(config)
   workdir = config['workdir']
   if os.path.lexists(workdir) and not os.path.isdir(workdir):
     raise WorkdirError(f'--workdir={workdir} exists and is not a directory')
@@ -153,6 +159,10 @@ def open_run(workdir: str, method: str) -> SavedRun:
   if not os.path.isfile(path):
     raise ValueError(f'--workdir={workdir} holds no run (no config.json)')
   config = resolve(workdir_lib.read_json_object(path))
+  if config['num_seeds'] > 1:
+    raise ValueError(f"--workdir={workdir} holds {config['num_seeds']} "
+                     'seeds as replicas; analysis tools read one seed: run '
+                     'the seed of interest alone (--seed=N, --num_seeds=1)')
   if config['method'] != method:
     raise ValueError(f"--workdir={workdir} ran --method={config['method']}; "
                      f'expected {method}')
@@ -168,8 +178,8 @@ def open_run(workdir: str, method: str) -> SavedRun:
 def _prepare(fed: Federation) -> Writers:
   """Prepares the workdir (primary process) and writes the clients'
   histograms."""
-  config, program = fed.config, fed.program
-  workdir, cohorts = config['workdir'], program.cohorts
+  config = fed.config
+  workdir = config['workdir']
   primary = is_primary()
   if primary:
     workdir_lib.prepare(config, defaults=config_lib.defaults(),
@@ -177,33 +187,51 @@ def _prepare(fed: Federation) -> Writers:
                         execution=config_lib.execution_keys(),
                         normalize=normalize)
   barrier(f'workdir-prepared {workdir}')   # --overwrite may remove files
-  cohort_of = np.zeros(config['num_clients'], int)
-  for j, c in enumerate(cohorts):
-    cohort_of[list(c.members)] = j
   writers = Writers(workdir_lib.write_json if primary else lambda *_: None,
                     workdir_lib.append_row if primary else lambda *_: None)
-  setup = program.setup
-  writers.json(os.path.join(workdir, 'client_histograms.json'), {
+  writers.json(os.path.join(workdir, 'client_histograms.json'),
+               _histograms(fed.replica(0).program))
+  if fed.num_seeds > 1:       # each replica's own partition
+    writers.json(os.path.join(workdir, 'client_histograms_replicas.json'),
+                 [dict(_histograms(fed.replica(i).program), seed=seed)
+                  for i, seed in enumerate(fed.seeds)])
+  return writers
+
+
+def _histograms(program: Program) -> dict[str, Any]:
+  """client_histograms.json: per-client class counts, cohort and spec."""
+  cohorts, setup = program.cohorts, program.setup
+  cohort_of = np.zeros(len(setup.train.count), int)
+  for j, c in enumerate(cohorts):
+    cohort_of[list(c.members)] = j
+  return {
       'num_classes': setup.num_classes,
       'train_counts': setup.train.count.tolist(),
       'histograms': setup.histograms.tolist(),
       'cohort': [cohorts[j].name for j in cohort_of],
       'spec': ({cohorts[0].transform.spec_name: program.specs.tolist()}
-               if cohorts[0].transform.spec_name else {})})
-  return writers
+               if cohorts[0].transform.spec_name else {})}
 
 
-def _pretrained(fed: Federation) -> tuple[tuple, dict[str, Any]]:
-  """initial_params, pretrained through --pretrained_dir's store when set,
-  logged per cohort."""
-  config, setup = fed.config, fed.program.setup
+def _pretrained(fed) -> tuple[tuple, dict[str, Any]]:
+  """initial_params of every replica, pretrained through
+  --pretrained_dir's store when set, logged per cohort."""
+  config = fed.config
+  out = [_pretrained_one(fed.replica(i), config)
+         for i in range(fed.num_seeds)]
+  return fed.join([p for p, _ in out]), out[0][1]
+
+
+def _pretrained_one(fed: Federation, config) -> tuple[tuple, dict]:
+  setup = fed.program.setup
 
   def stored(cohort, params, j, train):
     if not config['pretrained_dir']:
       return train()
     return backbone.load_or_pretrain(
         config['pretrained_dir'], backbone.entry_name(
-            cohort.name, params, setup.public_x, setup.public_y, config, j),
+            cohort.name, params, setup.public_x, setup.public_y,
+            fed.config, j),
         params, train)
 
   params, info = fed.initial_params(stored)
@@ -258,7 +286,7 @@ def _run_locked(fed: Federation, started: float,
                               keep=config['checkpoints_keep'],
                               compress=config['checkpoint_compress'])
   state, restored, pretrain_info = _start(fed, checkpointer)
-  start_round = int(state.round)
+  start_round = int(np.max(np.asarray(state.round)))
   progress, logged, lost, missing = read_logs(config, start_round,
                                                restored, checkpointer)
   cost = fed.compile(state).cost_analysis()
@@ -276,10 +304,8 @@ def _run_locked(fed: Federation, started: float,
       else min(lost, default=start_round + 1) - 1)
              if is_primary() and config['tensorboard']
              else tracking.NoTracking())
-  for row in restore_rows(lost, start_round,
-                          lambda: fed.evaluate(state), logged,
-                          config['local_epochs'], progress.skipped
-                          ) if lost else ():
+  for row in _restore_rows(fed, state, lost, start_round, logged,
+                           progress) if lost else ():
     progress.rows.append(row)
     writers.row(os.path.join(workdir, 'metrics.jsonl'), row)
     tracker.log(row)
@@ -299,6 +325,28 @@ def _run_locked(fed: Federation, started: float,
   write_outputs(fed, summary, progress.rows, writers)
   _raise_unfinished(summary, progress, preemption, config)
   return summary
+
+
+def _restore_rows(fed, state, lost: list[int], start_round: int,
+                  logged: dict[int, dict[str, Any]], progress: Progress
+                  ) -> list[dict[str, Any]]:
+  """The lost metrics rows (loop.restore_rows), replica by replica and
+  combined."""
+  evaluations = []
+
+  def evaluate(i):
+    if not evaluations:
+      evaluations.extend(fed.evaluate_each(state))
+    return evaluations[i]
+
+  each = [restore_rows(
+      lost, start_round, functools.partial(evaluate, i),
+      {r: ({k: v for k, v in row['replicas'][i].items() if k != 'seed'}
+           if 'replicas' in row else row)
+       for r, row in logged.items()},
+      fed.config['local_epochs'], progress.skipped_each[i])
+          for i in range(fed.num_seeds)]
+  return [combine_rows(list(rows), fed.seeds) for rows in zip(*each)]
 
 
 def _raise_unfinished(summary: dict[str, Any], progress: Progress,

@@ -10,6 +10,8 @@ The public API:
 
 - `Federation`: a federation built from settings (`config.defaults()` lists
   every setting); `init`, `step`, `evaluate`, `run`.
+- `Replicas`: `num_seeds` seeds of a federation as one compiled program;
+  its rows carry each seed's values, their mean and std.
 - `register_rule`, `register_attack`, `register_method`: add your own
   component, so that a Federation, the runner and sweeps take it by name.
 - `Needs`, `AttackNeeds`: what a rule or attack declares it needs from the
@@ -23,9 +25,10 @@ from fedrobust.aggregators import (AGGREGATORS, Aggregator, Needs,
                                    register_rule)
 from fedrobust.attacks import ATTACKS, AttackNeeds, register_attack
 from fedrobust.errors import SettingError
-from fedrobust.federation import Federation
+from fedrobust.federation import Federation, Replicas
 from fedrobust.methods import METHODS, MethodSpec, register_method
 
 __all__ = ['AGGREGATORS', 'ATTACKS', 'Aggregator', 'AttackNeeds',
-           'Federation', 'METHODS', 'MethodSpec', 'Needs', 'SettingError',
+           'Federation', 'METHODS', 'MethodSpec', 'Needs', 'Replicas',
+           'SettingError',
            'config', 'register_attack', 'register_method', 'register_rule']

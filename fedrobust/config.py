@@ -228,6 +228,13 @@ CORE: tuple[Setting, ...] = (
       'FedHAN cache), but a save then holds about 1.8x the state in '
       'memory; either kind restores.'),
     S('seed', 0, 'Seed of the partition, sampling and init.'),
+    S('num_seeds', 1, 'Replicas of the federation run as one compiled '
+      'program, with seeds seed, seed+1, ..., seed+num_seeds-1 (each its '
+      'own partition, attackers, initial model and sampling); results are '
+      "each replica's, their mean and std."),
+    S('replica_batch', 0, 'Replicas a step runs side by side (vmapped); '
+      'the others run one after another inside the program. 0: auto, 1 '
+      'on CPU (bitwise the single runs), all of them on GPU/TPU.'),
     S('workdir', None, 'Run directory (default: '
       'runs/<method>_<dataset>_<model>_s<seed>).'),
     S('overwrite', False, 'Discard an existing run in --workdir whose config '
@@ -279,7 +286,8 @@ RESUMABLE_KEYS = frozenset({
 # join them (EXECUTION_KEYS, below).
 _CORE_EXECUTION_KEYS = frozenset({
     'client_execution', 'chunk_size', 'scan_unroll', 'conv_impl',
-    'num_devices', 'cpu_devices', 'pretrained_dir', 'client_data'})
+    'num_devices', 'cpu_devices', 'pretrained_dir', 'client_data',
+    'replica_batch'})
 
 
 def method_flag(method: str, setting: Setting) -> str:

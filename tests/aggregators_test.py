@@ -530,6 +530,35 @@ class DnCGoodSetTest(absltest.TestCase):
     self.assertNotIn(5, kept['intersection'])
     self.assertLess(len(kept['intersection']), len(kept['union']))
 
+  def test_unit_normalisation_as_the_sdfc_authors_framework(self):
+    """normalize='unit' (MarsFL's DncSever): every update scaled to unit
+    norm, scored and averaged; 'score' scores the unit updates and
+    averages the raw ones. Lengthening one client's update makes it the
+    raw scores' outlier and changes nothing in the unit ones."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(C, D)).astype(np.float32)
+    longer = x.copy()
+    longer[4] *= 30.0
+    agg = lambda mode: aggregators.AGGREGATORS['dnc'](
+        num_byzantine=1, num_iters=1, subsample_dim=D, normalize=mode)
+    kept = {}
+    for mode in ('none', 'score', 'unit'):
+      for name, rows in (('x', x), ('longer', longer)):
+        out, _, info = agg(mode).aggregate(stack(rows), jnp.ones(C, bool),
+                                           (), KEY)
+        kept[mode, name] = np.flatnonzero(np.asarray(info['weights']) > 0)
+        unit = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+        want = (unit if mode == 'unit' else rows)[kept[mode, name]].mean(0)
+        np.testing.assert_allclose(unstack(out), want, rtol=1e-5,
+                                   atol=1e-6)
+    self.assertIn(4, kept['none', 'x'])
+    self.assertNotIn(4, kept['none', 'longer'])
+    for mode in ('score', 'unit'):
+      np.testing.assert_array_equal(kept[mode, 'x'], kept[mode, 'longer'])
+      self.assertIn(4, kept[mode, 'longer'])
+    with self.assertRaisesRegex(ValueError, 'normalize'):
+      aggregators.AGGREGATORS['dnc'](num_byzantine=1, normalize='l2')
+
 
 # ----------------------------------------------------------------------------
 # Validation.

@@ -61,3 +61,15 @@ def test_tiny_suite_runs_within_its_budget(tmp_path):
                       f'--only={cells}')
   assert {r['status'] for r in rows} == {'skipped'}
   assert 'budget: needs about' in rows[0]['note']
+
+
+@pytest.mark.slow
+def test_seeds_give_mean_and_std(tmp_path):
+  out = str(tmp_path / 'seeded')
+  done, rows = run_suite(out, '--scale=tiny', '--only=sdfc_t5_b05_m30_dnc',
+                         '--seeds=2')
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert all(r['status'] == 'ok' and r['seeds'] == '2' for r in rows), rows
+  assert all(float(r['ours_std']) >= 0.0 for r in rows)
+  with open(os.path.join(out, 'paper_suite.md')) as f:
+    assert ' ± ' in f.read()

@@ -271,6 +271,8 @@ def shrink_round_throughput(argv: list[str], cwd: str) -> list[str]:
   del cwd
   change = {'rounds': '1', 'settle_seconds': '0',
             **first_of_list(argv, 'method_clients')}
+  if flag_value(argv, 'num_seeds') is not None:
+    change['num_seeds'] = '2'            # one replicated program
   if flag_value(argv, 'method') is None:
     change['local_steps'] = '2'
   else:

@@ -390,3 +390,42 @@ def test_a_crash_is_named_by_its_fatal_line_not_the_module_list():
                                                 'ValueError: bad / value')
   assert sweep.failure(2, 'error: --rounds must be > 0\n') == (
       'refused', '--rounds must be > 0')
+
+
+def test_seeds_give_mean_and_std_in_tables_csv_and_bars(tmp_path):
+  """A cell run with --num_seeds: each seed's mean over the last k rounds,
+  then their mean and sample std; the table prints 'mean ± std'."""
+  rows = []
+  for rnd, accs in ((1, (0.5, 0.6, 0.7)), (2, (0.7, 0.8, 0.9))):
+    rows.append({'round': rnd, 'test_accuracy': sum(accs) / 3,
+                 'replicas': [{'round': rnd, 'test_accuracy': a, 'seed': s}
+                              for s, a in enumerate(accs)]})
+  (tmp_path / 'metrics.jsonl').write_text(
+      ''.join(json.dumps(r) + '\n' for r in rows))
+  (tmp_path / 'summary.json').write_text(json.dumps(
+      {'replicas': [{'seed': s, 'unseen_accuracy': u}
+                    for s, u in enumerate((0.2, 0.4, 0.6))]}))
+  out = sweep.read_final(str(tmp_path), ['test_accuracy',
+                                         'unseen_accuracy'], 2)
+  # Seed means over rounds 1-2: 0.6, 0.7, 0.8.
+  assert out['test_accuracy'] == pytest.approx(0.7)
+  assert out['test_accuracy_std'] == pytest.approx(0.1)
+  assert out['unseen_accuracy'] == pytest.approx(0.4)
+  assert out['unseen_accuracy_std'] == pytest.approx(0.2)
+  assert out['seeds'] == 3
+  result = dict(out, aggregator='median', status='ok', note='')
+  sweep.FLAGS(['sweep', '--name=seeded', f'--out={tmp_path}'])
+  try:
+    sweep.write_outputs('seeded', [result], ['aggregator'],
+                        ['test_accuracy'])
+  finally:
+    _restore_flags()
+  assert '| median | 70.00 ± 10.00 |' in (tmp_path / 'seeded.md').read_text()
+  csv_text = (tmp_path / 'seeded.csv').read_text().splitlines()
+  assert csv_text[0] == ('aggregator,test_accuracy,test_accuracy_std,'
+                         'status,note,seeds')
+  assert (tmp_path / 'seeded.png').exists()
+  merged, keys = sweep.merged_rows([str(tmp_path / 'seeded.csv')],
+                                   ['test_accuracy'])
+  assert keys == ['aggregator', 'source']
+  assert merged[0]['test_accuracy_std'] == pytest.approx(0.1)

@@ -10,6 +10,13 @@ For iteration t = 1..T:
 The good set is the clients never flagged (the intersection of the
 per-iteration good sets); the output is their mean.
 
+`normalize` (not in the NDSS algorithm): 'unit' scales every update to
+unit L2 norm before scoring and averages the unit updates, so the server
+step is at most 1 long; this is the DnC of the SDFC authors' framework
+(MarsFL, Sever/DncSever.py, one iteration, union). 'score' scales them for
+the scoring only and averages the raw kept updates, which separates the
+detection's change from the step's.
+
 Implementation. <z_c, v>^2 = lambda_1 u_c^2 with (lambda_1, u) the top
 eigenpair of the n x n Gram matrix Z Z^T, so one C x C eigh replaces the
 n x b SVD (exact up to float32 rounding of Z Z^T; the matmul runs at
@@ -80,9 +87,13 @@ def outlier_scores(z: jax.Array) -> jax.Array:
   return jnp.maximum(eigvals[-1], 0.0) * jnp.square(eigvecs[:, -1])
 
 
+NORMALIZE = ('none', 'score', 'unit')
+
+
 def dnc(*, num_byzantine: int, num_iters: int = 5,
         subsample_dim: int = 10000, filter_frac: float = 1.0,
-        good_set: str = 'intersection') -> Aggregator:
+        good_set: str = 'intersection', normalize: str = 'none'
+        ) -> Aggregator:
   """Divide-and-Conquer (Shejwalkar & Houmansadr 2021).
 
   Args:
@@ -93,6 +104,8 @@ def dnc(*, num_byzantine: int, num_iters: int = 5,
     good_set: 'intersection' (the paper's Alg. 2 and FLPoison: clients
       never flagged) or 'union' (clients kept by at least one iteration,
       the looser reading some reimplementations use).
+    normalize: 'none' (the paper), 'score' (unit-norm updates for the
+      scoring only) or 'unit' (unit-norm updates scored and averaged).
 
   Returns:
     An Aggregator; info as in the module docstring.
@@ -107,6 +120,9 @@ def dnc(*, num_byzantine: int, num_iters: int = 5,
   if good_set not in ('intersection', 'union'):
     raise setting('dnc', 'good_set', f"must be 'intersection' or 'union', "
                   f'got {good_set!r}')
+  if normalize not in NORMALIZE:
+    raise setting('dnc', 'normalize', f'must be one of {NORMALIZE}, got '
+                  f'{normalize!r}')
   num_flag = int(filter_frac * f)
 
   def aggregate(updates, mask, state, key):
@@ -119,6 +135,10 @@ def dnc(*, num_byzantine: int, num_iters: int = 5,
     finite = finite_rows(x)
     valid = mask & finite
     x = jnp.where(valid[:, None], x, 0.0)
+    unit = x / jnp.maximum(jnp.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    scored = x if normalize == 'none' else unit
+    if normalize == 'unit':
+      x = unit
     n = jnp.sum(mask)
     num_valid = jnp.sum(valid)
     b = min(d, subsample_dim)
@@ -128,9 +148,9 @@ def dnc(*, num_byzantine: int, num_iters: int = 5,
     def one_iteration(t, flag_count):
       if b < d:
         coords = jax.random.permutation(jax.random.fold_in(key, t), d)[:b]
-        xs = x[:, coords]
+        xs = scored[:, coords]
       else:
-        xs = x
+        xs = scored
       mu = jnp.sum(xs, axis=0) / jnp.maximum(num_valid, 1)
       z = jnp.where(valid[:, None], xs - mu[None, :], 0.0)
       score = outlier_scores(z)

@@ -170,6 +170,19 @@ def stack_clients(x, y: np.ndarray, parts: list[np.ndarray]
   return FederatedData(rows, ys, counts)
 
 
+def pad_clients(train: FederatedData, n: int) -> FederatedData:
+  """`train` with every client padded to `n` examples (n >= its N): the
+  same real rows, more padding (replicas of a federation share one
+  shape)."""
+  if n <= train.y.shape[1]:
+    return train
+  if not isinstance(train.x, ClientRows):
+    raise ValueError(f'cannot pad {type(train.x).__name__} client data')
+  rows = ClientRows(train.x.source, train.x.parts, n)
+  y = np.pad(np.asarray(train.y), ((0, 0), (0, n - train.y.shape[1])))
+  return FederatedData(rows, y, train.count)
+
+
 def stack_eval_sets(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray],
                     batch_size: int) -> EvalSet:
   """Per-client evaluation sets batched to [K, T, B, ...] with masks.

@@ -66,7 +66,9 @@ def sample_cohort(key: jax.Array, slots: CohortSlots, num_slots: int, *,
     ids = jnp.sort(members[jax.random.permutation(key, k)[:c]])
   pad = num_slots - c
   mask = jnp.concatenate([jnp.ones(c, bool), jnp.zeros(pad, bool)])
-  fill = jnp.full((pad,), slots.members[0], jnp.int32)
+  # From the members array, not the Python int: replicas of a federation
+  # (fedrobust.Replicas) share this program with other members.
+  fill = jnp.broadcast_to(members[:1], (pad,))
   return jnp.concatenate([ids.astype(jnp.int32), fill]), mask
 
 

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fedrobust.engine import (make_round_step, make_setup_step,
                               place_clients)
 from fedrobust.engine.detection import detection_rates
+from fedrobust.errors import SettingError
 from fedrobust.federation.builder import (Program, build, check_settings,
                                         initial_params,
                                         initial_server_state,
@@ -52,14 +53,19 @@ class Federation:
       configuration, mesh); see fedrobust.federation.builder.Program.
   """
 
+  num_seeds = 1
+
   def __init__(self, settings: dict[str, Any] | None = None, /, *,
-               data: Any = None, **overrides: Any):
+               data: Any = None, client_size: int | None = None,
+               **overrides: Any):
     """Checks the settings and builds the federation.
 
     Args:
       settings: a dict of settings (keys of fedrobust.config.defaults()).
       data: your own fedrobust.data.Dataset (fedrobust.data.from_arrays),
         used instead of loading the `dataset` setting.
+      client_size: pad every client's data to this many examples
+      (fedrobust.Replicas pads its replicas to one shape).
       **overrides: settings as keywords (they win over `settings`).
 
     Raises:
@@ -67,8 +73,14 @@ class Federation:
     """
     config = resolve({**(settings or {}), **overrides})
     check_settings(config)
+    if config['num_seeds'] > 1:
+      raise SettingError('num_seeds', f"num_seeds={config['num_seeds']}: "
+                         'a Federation is one seed; fedrobust.Replicas runs '
+                         'several as one program')
     self.config = config
-    self.program: Program = build(config, data)
+    self.seeds = [config['seed']]
+    self.program: Program = build(config, data, client_size=client_size)
+    self.client_sizes = [self.program.setup.train.y.shape[1]]
     mesh = self.program.mesh
     self.replicated = NamedSharding(mesh, P()) if mesh else None
     self.put = functools.partial(jax.device_put, device=self.replicated)
@@ -183,6 +195,31 @@ class Federation:
     state, metrics = self.compile(state)(state, self.data, self.server_data)
     return state, jax.device_get(metrics)
 
+  def replica(self, i: int) -> 'Federation':
+    """Replica i's Federation: this one (fedrobust.Replicas has several)."""
+    del i
+    return self
+
+  def replica_state(self, state: ServerState, i: int) -> ServerState:
+    del i
+    return state
+
+  def join(self, params: list) -> tuple:
+    """The state's params from each replica's (one here)."""
+    (out,) = params
+    return out
+
+  def step_each(self, state: ServerState
+                ) -> tuple[ServerState, list[dict[str, Any]]]:
+    """step, with the metrics as a list of one replica's (as
+    fedrobust.Replicas.step_each gives every replica's)."""
+    state, metrics = self.step(state)
+    return state, [metrics]
+
+  def evaluate_each(self, state: ServerState) -> list[dict[str, Any]]:
+    """evaluate, as a list of one replica's."""
+    return [self.evaluate(state)]
+
   @property
   def evaluator(self) -> Evaluator:
     if self._evaluator is None:
@@ -215,26 +252,39 @@ class Federation:
       (final state, one row per evaluated round: 'round', the round's
       metrics with the detection rates, and the evaluation's).
     """
-    num_rounds = num_rounds or self.config['num_rounds']
-    eval_every = eval_every or self.config['eval_every']
-    stop_on_nan = self.config['on_divergence'] == 'stop'
-    state = self.init() if state is None else state
-    start = int(state.round)
-    rows = []
-    for rnd in range(start + 1, start + num_rounds + 1):
-      state, metrics = self.step(state)
-      metrics.pop('clients', None)
-      stop = stop_on_nan and bool(metrics['nonfinite_model'])
-      if rnd % eval_every == 0 or rnd == start + num_rounds or stop:
+    return run_rounds(self, num_rounds, state=state, eval_every=eval_every)
+
+
+def run_rounds(fed, num_rounds: int | None = None, *, state=None,
+               eval_every: int | None = None):
+  """The loop of Federation.run and Replicas.run: steps every replica,
+  evaluates every `eval_every` rounds and after the last; one row per
+  evaluated round (combine_rows over the replicas)."""
+  num_rounds = num_rounds or fed.config['num_rounds']
+  eval_every = eval_every or fed.config['eval_every']
+  stop_on_nan = fed.config['on_divergence'] == 'stop'
+  state = fed.init() if state is None else state
+  start = int(np.max(np.asarray(state.round)))
+  rows = []
+  for rnd in range(start + 1, start + num_rounds + 1):
+    state, each = fed.step_each(state)
+    stop = stop_on_nan and any(bool(m['nonfinite_model']) for m in each)
+    if rnd % eval_every == 0 or rnd == start + num_rounds or stop:
+      per = []
+      for metrics, evaluation in zip(each, fed.evaluate_each(state)):
+        metrics.pop('clients', None)
         row = {'round': rnd, **{k: float(np.asarray(v))
                                 for k, v in metrics.items()}}
         if 'det_tp' in row:
           row.update(detection_rates(row, ''))
-        row.update(self.evaluate(state))
-        rows.append(row)
-      if stop:
-        break
-    return state, rows
+        row.update(evaluation)
+        per.append(row)
+      rows.append(combine_rows(per, fed.seeds))
+    if stop:
+      break
+  return state, rows
 
 
-__all__ = ['Federation', 'Program', 'build', 'check_settings', 'resolve']
+from fedrobust.federation.replicas import Replicas, combine_rows  # noqa: E402
+
+__all__ = ['Federation', 'Program', 'Replicas', 'combine_rows', 'build', 'check_settings', 'resolve']

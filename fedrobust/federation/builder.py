@@ -29,6 +29,7 @@ from fedrobust.config import (all_settings, check_foreign_settings, defaults,
 from fedrobust.data import (RowTable, build_federated_setup, hold_out,
                             load_dataset, subsample, subsample_test,
                             unused_rows)
+from fedrobust.data.federated import pad_clients
 from fedrobust.engine import (CohortSlots, LocalConfig, RoundConfig,
                               client_mesh, default_strategy, evaluate,
                               init_server_state, parse_delay, sgd)
@@ -75,6 +76,7 @@ def check_settings(config: dict[str, Any]) -> None:
     raise SettingError('method', f"{config['method']!r} is not a known "
                        f'method; expected one of {sorted(METHODS)}')
   positive = ('num_clients', 'num_rounds', 'local_epochs', 'batch_size',
+              'num_seeds',
               'eval_every', 'eval_batch_size', 'checkpoint_every',
               'checkpoints_keep', 'unseen_epochs')
   for key in positive:
@@ -84,6 +86,7 @@ def check_settings(config: dict[str, Any]) -> None:
               'validation_size',
               'public_size', 'chunk_size', 'scan_unroll', 'num_devices',
               'cpu_devices', 'pretrain_epochs', 'global_test_per_class',
+              'replica_batch',
               'unseen_clients'):
     if config[key] < 0:
       raise SettingError(key, f'must be >= 0, got {config[key]}')
@@ -310,13 +313,17 @@ class Program(NamedTuple):
   unseen: Any = None      # the newcomers' FederatedSetup (unseen_clients)
 
 
-def build(config: dict[str, Any], data: Any = None) -> Program:
+def build(config: dict[str, Any], data: Any = None, *,
+          client_size: int | None = None) -> Program:
   """Data, cohorts, method, threat and round program, fully checked.
 
   Args:
     config: the resolved settings.
     data: a fedrobust.data.Dataset to use instead of loading
       config['dataset'] (e.g. from fedrobust.data.from_arrays).
+    client_size: pad every client's training data to this many examples
+      (at least the largest client's), as replicas of one federation do;
+      the local schedule's steps per epoch follow the padded size.
   """
   backend = jax.default_backend()
   strategy = (default_strategy(backend) if config['client_execution'] ==
@@ -351,6 +358,8 @@ def build(config: dict[str, Any], data: Any = None) -> Program:
       eval_batch_size=config['eval_batch_size'],
       global_test_per_class=config['global_test_per_class'])
   setup, unseen = hold_out(setup, config['unseen_clients'], config['seed'])
+  if client_size:
+    setup = setup._replace(train=pad_clients(setup.train, client_size))
   cohorts, specs = build_cohorts(
       config, num_classes=setup.num_classes, input_shape=setup.input_shape,
       conv_impl=conv_impl, compute_dtype=compute_dtype)

@@ -402,9 +402,20 @@ def fisher_diagonal(apply_fn: Callable, params: Params, x: jax.Array,
     zeros = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0))
     return jax.lax.cond(jnp.any(batch[2]), batch_sum, lambda _: zeros, batch)
 
-  sums, counts = jax.lax.map(batch_sum_or_skip, (x, y, mask))
-  total = jnp.maximum(jnp.sum(counts), 1.0)
-  means = jax.tree.map(lambda s: jnp.sum(s, axis=0) / total, sums)
+  # A running sum over the batches, in order: trailing batches of padding
+  # add exact zeros, so the result does not depend on how far a client is
+  # padded (a reduction over the batch axis would group the sums by its
+  # length; replicas of a federation pad clients further than a single
+  # run does).
+  def accumulate(carry, batch):
+    sums, count = carry
+    add, n = batch_sum_or_skip(batch)
+    return (jax.tree.map(jnp.add, sums, add), count + n), None
+
+  zero = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0))
+  (sums, counts), _ = jax.lax.scan(accumulate, zero, (x, y, mask))
+  total = jnp.maximum(counts, 1.0)
+  means = jax.tree.map(lambda s: s / total, sums)
   if mode == 'released':     # square (or |.|) after averaging the batches
     return jax.tree.map(stat, means)
   return means
