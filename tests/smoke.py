@@ -121,8 +121,27 @@ def block_segments(block: Block) -> list[tuple[str, bool]]:
   if block.kind != 'bash':
     return []
   flat = [seg for command in block.commands for seg in segments(command)]
-  return [(seg, not any('runs/' in later for later in flat[i + 1:]))
+  return [(seg, not any(_reads_run(seg, later) for later in flat[i + 1:]))
           for i, seg in enumerate(flat)]
+
+
+def _reads_run(segment: str, later: str) -> bool:
+  """Whether `later` may read the run `segment` writes: its preset's
+  workdir where the segment is a bare preset that names one, else any
+  run directory."""
+  preset = covered_preset(segment)
+  if not preset:
+    return 'runs/' in later
+  from experiments import config as config_lib  # pylint: disable=g-import-not-at-top
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  values = dict(config_lib.defaults())
+  values.update(_preset_values(
+      [f'--flagfile=experiments/configs/{preset}'], ROOT))
+  workdir = values.get('workdir') or train.default_workdir({
+      'method': values['method'], 'dataset': values['dataset'],
+      'model': values['model'], 'seed': int(values['seed']),
+      'num_seeds': int(values.get('num_seeds') or 1)})
+  return str(workdir) in later
 
 
 
@@ -197,7 +216,8 @@ def small_values(argv: list[str], cwd: str) -> dict[str, str | None]:
   """The flags that shrink a run of experiments/main.py with `argv`: one
   round of one local epoch on few examples (enough for the validation
   reserve the run asks for) and at most MAX_CLIENTS clients; pretraining
-  one epoch, stored under the scratch directory."""
+  and the private backbones' warm-up one epoch (pretraining stored under
+  the scratch directory); at most two seeds, still run as replicas."""
   from experiments import config as config_lib  # pylint: disable=g-import-not-at-top
   values = dict(config_lib.defaults())
   values.update(_preset_values(argv, cwd))
@@ -238,6 +258,10 @@ def small_values(argv: list[str], cwd: str) -> dict[str, str | None]:
       change['max_train_examples'] = str(public + small)
   if int(values.get('pretrain_epochs') or 0):
     change['pretrain_epochs'] = '1'
+  if int(values.get('warmup_epochs') or 0) > 1:
+    change['warmup_epochs'] = '1'
+  if int(values.get('num_seeds') or 1) > 2:
+    change['num_seeds'] = '2'            # still one replicated program
   if values.get('pretrained_dir'):
     change['pretrained_dir'] = os.path.join(cwd, 'pretrained')
   if 'unseen_clients' in values and int(values['unseen_clients'] or 0):
