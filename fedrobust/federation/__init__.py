@@ -285,6 +285,9 @@ def run_rounds(fed, num_rounds: int | None = None, *, state=None,
   return state, rows
 
 
+# Last: replicas.py builds on Federation, and run_rounds combines the
+# replicas' rows with its combine_rows.
 from fedrobust.federation.replicas import Replicas, combine_rows  # noqa: E402
 
-__all__ = ['Federation', 'Program', 'Replicas', 'combine_rows', 'build', 'check_settings', 'resolve']
+__all__ = ['Federation', 'Program', 'Replicas', 'combine_rows', 'build',
+           'check_settings', 'resolve']
